@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+
+.PHONY: demo test venv clean bench convergence
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,experiments]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# QSDP W8G8 against fp32 FSDP on Shakespeare, 8 simulated CPU devices (a few minutes).
+demo: $(STAMP)
+	$(PY) -m experiments.demo
+
+# The whole suite on 8 simulated CPU devices (tests/conftest.py sets them up).
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# Benchmarks (write JSON under experiments/results/).
+bench: $(STAMP)
+	$(PY) -m experiments.bench_comm
+	$(PY) -m experiments.bench_overhead
+
+convergence: $(STAMP)
+	$(PY) -m experiments.convergence
+
+clean:
+	rm -rf $(VENV) .pytest_cache

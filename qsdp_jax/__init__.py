@@ -1,0 +1,53 @@
+"""qsdp_jax: quantized fully-sharded data-parallel training (QSDP) for JAX.
+
+The public API; see README.md for a walk-through and ``../DESIGN.md`` for the invariants.
+"""
+
+from qsdp_jax import optim  # noqa: F401  (``qsdp_jax.optim.qsdp``)
+from qsdp_jax.access import LocalParams, ParamAccess
+from qsdp_jax.collectives import (
+    GatherSpec,
+    all_gather_fp,
+    make_gather,
+    quantized_all_gather,
+    quantized_reduce_scatter,
+    reduce_scatter_fp,
+)
+from qsdp_jax.config import QSDPConfig
+from qsdp_jax.quantizers import QTensor, dequantize, pack_bits, quantize, unpack_bits
+from qsdp_jax.sharding import FlatLayout, make_mesh
+from qsdp_jax.train import (
+    ShardedParams,
+    TrainState,
+    gather_params,
+    init_train_state,
+    make_eval_step,
+    make_train_step,
+)
+
+__all__ = [
+    "FlatLayout",
+    "GatherSpec",
+    "LocalParams",
+    "ParamAccess",
+    "QSDPConfig",
+    "QTensor",
+    "ShardedParams",
+    "TrainState",
+    "all_gather_fp",
+    "dequantize",
+    "gather_params",
+    "init_train_state",
+    "make_eval_step",
+    "make_gather",
+    "make_mesh",
+    "make_train_step",
+    "optim",
+    "pack_bits",
+    "quantize",
+    "quantized_all_gather",
+    "quantized_reduce_scatter",
+    "reduce_scatter_fp",
+    "unpack_bits",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,211 @@
+"""Collectives over the FSDP mesh axis, to be called inside ``jax.shard_map``.
+
+* :func:`quantized_all_gather`: quantize + pack the local shard, ``all_gather`` one uint8
+  buffer (packed codes, then the per-bucket scales and offsets as bytes), unpack and dequantize
+  every sender's part. With a ``grid`` (QSDP mode) the shard is already on that grid and the
+  gather is lossless: every device gets the owner's float32 values bit for bit.
+* :func:`quantized_reduce_scatter`: each device quantizes its full gradient as N chunks (chunk
+  ``i`` for device ``i``), ``all_to_all`` of the packed bytes, then dequantize and sum the N
+  received chunks in float32. (An integer ``psum_scatter`` cannot do this: every sender has its
+  own scales, and the sum would widen to s32 on the wire.)
+* :func:`all_gather_fp`, :func:`reduce_scatter_fp`: the same ops in float32 or bfloat16, the
+  baselines everything is compared against.
+* :func:`make_gather`: the ``custom_vjp`` that pairs a gather (forward) with a reduce-scatter
+  of the cotangent (backward); the backward returns the *sum* over devices.
+
+Shards are 1-D with a length that is a multiple of the bucket size; full buffers are the N
+shards concatenated in device order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qsdp_jax import quantizers as qz
+
+_FP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+# ----------------------------------------------------------------------------------------------
+# One uint8 payload per QTensor: [packed codes | scales bytes | offsets bytes]
+# ----------------------------------------------------------------------------------------------
+def payload_size(n: int, bits: int, bucket: int) -> int:
+    """Bytes of the payload of ``n`` elements: packed codes plus float32 scale and offset."""
+    return qz.packed_size(n, bits) + 8 * (n // bucket)
+
+
+def to_payload(qt: qz.QTensor) -> jax.Array:
+    """QTensor (..., n) -> uint8 (..., payload_size(n))."""
+    packed = qz.pack_bits(qt.codes, qt.bits)
+    lead = qt.scales.shape[:-1]
+    sb = lax.bitcast_convert_type(qt.scales, jnp.uint8).reshape(*lead, -1)
+    ob = lax.bitcast_convert_type(qt.offsets, jnp.uint8).reshape(*lead, -1)
+    return jnp.concatenate([packed, sb, ob], axis=-1)
+
+
+def from_payload(payload: jax.Array, n: int, bits: int, bucket: int) -> qz.QTensor:
+    """Inverse of :func:`to_payload`."""
+    p = qz.packed_size(n, bits)
+    nb = n // bucket
+    lead = payload.shape[:-1]
+    if payload.shape[-1] != p + 8 * nb:
+        raise ValueError(f"payload of {payload.shape[-1]} bytes does not hold {n} codes of {bits} bits")
+    codes = qz.unpack_bits(payload[..., :p], bits, n)
+    scales = lax.bitcast_convert_type(payload[..., p : p + 4 * nb].reshape(*lead, nb, 4), jnp.float32)
+    offsets = lax.bitcast_convert_type(payload[..., p + 4 * nb :].reshape(*lead, nb, 4), jnp.float32)
+    return qz.QTensor(codes=codes, scales=scales, offsets=offsets, bits=bits, bucket=bucket)
+
+
+# ----------------------------------------------------------------------------------------------
+# All-gather
+# ----------------------------------------------------------------------------------------------
+def quantized_all_gather(
+    shard: jax.Array,
+    *,
+    bits: int,
+    bucket: int,
+    axis_name: str,
+    grid: tuple[jax.Array, jax.Array] | None = None,
+    rounding: qz.QRounding = "nearest",
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """Gather a 1-D shard from every device on ``axis_name``, quantized on the wire.
+
+    Args:
+      grid: ``(scales, offsets)`` of a grid the shard already lies on (QSDP mode); the codes are
+        recovered exactly and the result equals the plain gather bit for bit.
+      rounding, key: how to quantize when no grid is given (``"nearest"``: ZeRO++-style).
+    Returns the float32 full buffer, ``axis_size * len(shard)`` elements.
+    """
+    n = shard.shape[-1]
+    if grid is not None:
+        qt = qz.quantize_on_grid(shard, grid[0], grid[1], bits, bucket)
+    else:
+        qt = qz.quantize(shard, bits, bucket, rounding, key)
+    gathered = lax.all_gather(to_payload(qt), axis_name, axis=0, tiled=False)  # (N, payload)
+    return from_payload(gathered, n, bits, bucket).dequantize().reshape(-1)
+
+
+def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -> jax.Array:
+    """Plain all-gather in float32 or bfloat16 (weights cast for the wire); float32 result."""
+    wire = shard.astype(_FP_DTYPES[dtype])
+    return lax.all_gather(wire, axis_name, axis=0, tiled=True).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reduce-scatter
+# ----------------------------------------------------------------------------------------------
+def quantized_reduce_scatter(
+    full: jax.Array,
+    *,
+    bits: int,
+    bucket: int,
+    axis_name: str,
+    key: jax.Array,
+    rounding: qz.QRounding = "stochastic",
+) -> jax.Array:
+    """Sum a 1-D buffer over ``axis_name`` and keep this device's chunk, quantized on the wire.
+
+    ``full`` has ``N * chunk`` elements, ``chunk`` a multiple of ``bucket``. Each sender
+    quantizes with its own key (``key`` folded with its axis index), so the errors of different
+    senders are independent; with stochastic rounding the result is unbiased.
+    """
+    num = lax.axis_size(axis_name)
+    n = full.shape[-1]
+    if n % (num * bucket):
+        raise ValueError(f"buffer of {n} elements does not split into {num} chunks of whole buckets of {bucket}")
+    chunk = n // num
+    sender_key = qz.derive_key(key, lax.axis_index(axis_name))
+    qt = qz.quantize(full.reshape(num, chunk), bits, bucket, rounding, sender_key)
+    received = lax.all_to_all(to_payload(qt), axis_name, 0, 0, tiled=False)  # (N, payload)
+    parts = from_payload(received, chunk, bits, bucket).dequantize()  # (N, chunk) float32
+    return jnp.sum(parts, axis=0)
+
+
+def reduce_scatter_fp(full: jax.Array, *, axis_name: str, dtype: str = "float32") -> jax.Array:
+    """Plain reduce-scatter (sum) in float32 or bfloat16; float32 result."""
+    wire = full.astype(_FP_DTYPES[dtype])
+    return lax.psum_scatter(wire, axis_name, scatter_dimension=0, tiled=True).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# The gather / reduce-scatter pair as one differentiable op
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GatherSpec:
+    """Static description of how one buffer is gathered and its gradient reduce-scattered.
+
+    weight_mode ``"qsdp"`` needs a grid at call time; ``"comm"`` rounds to nearest on the fly;
+    ``"full"`` sends ``fp_dtype``. ``grad_bits=None`` reduce-scatters in ``fp_dtype``.
+    """
+
+    axis_name: str
+    bucket: int
+    weight_mode: str
+    weight_bits: int | None
+    grad_bits: int | None
+    grad_rounding: str = "stochastic"
+    fp_dtype: str = "float32"
+
+    @classmethod
+    def from_config(cls, config) -> "GatherSpec":
+        return cls(
+            axis_name=config.axis_name,
+            bucket=config.bucket_size,
+            weight_mode=config.weight_mode,
+            weight_bits=config.weight_bits,
+            grad_bits=config.grad_bits,
+            grad_rounding=config.grad_rounding,
+            fp_dtype=config.fp_comm_dtype,
+        )
+
+    def gather(self, shard, grid):
+        if self.weight_mode == "full":
+            return all_gather_fp(shard, axis_name=self.axis_name, dtype=self.fp_dtype)
+        if self.weight_mode == "qsdp" and grid is None:
+            raise ValueError("weight_mode='qsdp' gathers need the grid the shard lies on")
+        return quantized_all_gather(
+            shard,
+            bits=self.weight_bits,
+            bucket=self.bucket,
+            axis_name=self.axis_name,
+            grid=grid if self.weight_mode == "qsdp" else None,
+            rounding="nearest",
+        )
+
+    def reduce_scatter(self, full, key):
+        if self.grad_bits is None:
+            return reduce_scatter_fp(full, axis_name=self.axis_name, dtype=self.fp_dtype)
+        return quantized_reduce_scatter(
+            full,
+            bits=self.grad_bits,
+            bucket=self.bucket,
+            axis_name=self.axis_name,
+            key=key,
+            rounding=self.grad_rounding,
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def make_gather(spec: GatherSpec):
+    """``gather(shard, grid, key) -> full``: forward ``spec.gather``; backward reduce-scatters
+    the cotangent with ``spec.reduce_scatter`` under ``key`` (summed over devices, not averaged).
+    ``grid`` and ``key`` get no gradient."""
+
+    @jax.custom_vjp
+    def gather(shard, grid, key):
+        return spec.gather(shard, grid)
+
+    def fwd(shard, grid, key):
+        return spec.gather(shard, grid), key
+
+    def bwd(key, ct):
+        return spec.reduce_scatter(ct.astype(jnp.float32), key), None, None
+
+    gather.defvjp(fwd, bwd)
+    return gather

@@ -1,0 +1,147 @@
+"""QSDPConfig: what is quantized, how, and with which randomness.
+
+Frozen and validated at construction: every invalid field raises ``ValueError`` naming the
+field, the value it got and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+WeightMode = Literal["qsdp", "comm", "full"]
+Rounding = Literal["stochastic", "nearest"]
+
+WEIGHT_MODES = ("qsdp", "comm", "full")
+GRAD_ROUNDINGS = ("stochastic", "nearest")
+FP_COMM_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class QSDPConfig:
+    """Configuration of the quantized collectives and the weight grid.
+
+    Attributes:
+      weight_bits: bits per weight code on the all-gather (1..8), or None for full precision.
+      grad_bits: bits per gradient code on the reduce-scatter (1..8), or None for full precision.
+      bucket_size: elements that share one (scale, offset) pair; a multiple of 8 so that
+        every bucket packs into whole bytes at any bit width.
+      weight_mode:
+        ``"qsdp"``: the weights themselves are kept on a randomly shifted quantization grid
+        (the paper's method); the all-gather sends grid codes and is lossless.
+        ``"comm"``: full-precision master weights, quantized (round to nearest) only for the
+        all-gather, as in ZeRO++; the baseline QSDP has to beat.
+        ``"full"``: weights gathered in ``fp_comm_dtype``; requires ``weight_bits=None``.
+      grad_rounding: ``"stochastic"`` (unbiased, the default) or ``"nearest"`` (biased).
+      min_shard_size: leaves with fewer elements (per layer, for layer-stacked groups) stay
+        full precision and replicated on every device: biases, norm scales.
+      seed: root of all quantization randomness (see ``qsdp_jax.quantizers.derive_key``).
+      fp_comm_dtype: dtype of the collectives that are not quantized (``"float32"`` or
+        ``"bfloat16"``); the bf16 FSDP baseline is ``weight_bits=grad_bits=None`` with
+        ``fp_comm_dtype="bfloat16"``.
+      axis_name: the mesh axis the parameters are sharded over.
+    """
+
+    weight_bits: int | None = 8
+    grad_bits: int | None = 8
+    bucket_size: int = 1024
+    weight_mode: WeightMode = "qsdp"
+    grad_rounding: Rounding = "stochastic"
+    min_shard_size: int = 4096
+    seed: int = 0
+    fp_comm_dtype: str = "float32"
+    axis_name: str = "fsdp"
+
+    def __post_init__(self):
+        _check_bits("weight_bits", self.weight_bits)
+        _check_bits("grad_bits", self.grad_bits)
+        _check_int("bucket_size", self.bucket_size, minimum=8)
+        if self.bucket_size % 8:
+            _fail("bucket_size", self.bucket_size, "a multiple of 8 (8 codes pack into whole bytes)")
+        _check_choice("weight_mode", self.weight_mode, WEIGHT_MODES)
+        _check_choice("grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)
+        _check_int("min_shard_size", self.min_shard_size, minimum=0)
+        _check_int("seed", self.seed, minimum=0)
+        if self.seed >= 2**32:
+            _fail("seed", self.seed, "an integer in [0, 2**32)")
+        _check_choice("fp_comm_dtype", self.fp_comm_dtype, FP_COMM_DTYPES)
+        if not isinstance(self.axis_name, str) or not self.axis_name:
+            _fail("axis_name", self.axis_name, "a non-empty mesh axis name")
+        if self.weight_mode == "full" and self.weight_bits is not None:
+            _fail(
+                "weight_bits",
+                self.weight_bits,
+                "None when weight_mode='full' (use weight_mode='qsdp' or 'comm' to quantize weights)",
+            )
+        if self.weight_mode in ("qsdp", "comm") and self.weight_bits is None:
+            _fail(
+                "weight_bits",
+                None,
+                f"an integer 1..8 when weight_mode={self.weight_mode!r} (use weight_mode='full' "
+                "for full-precision weights)",
+            )
+        if self.weight_mode == "qsdp" and self.weight_bits == 1:
+            _fail(
+                "weight_bits",
+                1,
+                "2..8 with weight_mode='qsdp': a randomly shifted grid needs one spare level to "
+                "cover the bucket range for every shift, and 2 levels leave none "
+                "(weight_mode='comm' accepts 1)",
+            )
+
+    # --- convenience constructors -------------------------------------------------------------
+    @classmethod
+    def fp32(cls, **kw) -> "QSDPConfig":
+        """Plain FSDP with fp32 collectives: the baseline everything is compared against."""
+        return cls(weight_bits=None, grad_bits=None, weight_mode="full", fp_comm_dtype="float32", **kw)
+
+    @classmethod
+    def bf16(cls, **kw) -> "QSDPConfig":
+        """FSDP with bf16 collectives (weights cast for the gather, gradients for the scatter)."""
+        return cls(weight_bits=None, grad_bits=None, weight_mode="full", fp_comm_dtype="bfloat16", **kw)
+
+    @classmethod
+    def qsdp(cls, weight_bits: int = 8, grad_bits: int | None = 8, **kw) -> "QSDPConfig":
+        """QSDP: weights kept on a shifted grid, quantized gradients."""
+        return cls(weight_bits=weight_bits, grad_bits=grad_bits, weight_mode="qsdp", **kw)
+
+    @property
+    def quantizes_weights(self) -> bool:
+        return self.weight_bits is not None
+
+    @property
+    def quantizes_grads(self) -> bool:
+        return self.grad_bits is not None
+
+    @property
+    def name(self) -> str:
+        """A short label for tables: ``fp32``, ``bf16``, ``qsdp-W8G8``, ``comm-W4G4``..."""
+        if self.weight_bits is None and self.grad_bits is None:
+            return "fp32" if self.fp_comm_dtype == "float32" else "bf16"
+        fp = "F32" if self.fp_comm_dtype == "float32" else "BF16"
+        w = f"W{self.weight_bits}" if self.weight_bits is not None else f"W{fp}"
+        g = f"G{self.grad_bits}" if self.grad_bits is not None else f"G{fp}"
+        return f"{self.weight_mode}-{w}{g}"
+
+
+def _fail(field: str, value, allowed: str):
+    raise ValueError(f"QSDPConfig.{field}={value!r} is invalid: must be {allowed}")
+
+
+def _check_int(field: str, value, *, minimum: int):
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(field, value, f"an integer >= {minimum}")
+    if value < minimum:
+        _fail(field, value, f"an integer >= {minimum}")
+
+
+def _check_bits(field: str, value):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
+        _fail(field, value, "None (full precision) or an integer in 1..8")
+
+
+def _check_choice(field: str, value, choices):
+    if value not in choices:
+        _fail(field, value, f"one of {', '.join(repr(c) for c in choices)}")

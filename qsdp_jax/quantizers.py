@@ -1,0 +1,288 @@
+"""Reference (jnp) quantizers: buckets, grids, rounding modes, bit packing, QTensor.
+
+Conventions (shared by the Pallas kernels, the collectives and the optimizer):
+
+* A tensor is quantized along its **last axis** in buckets of ``bucket`` consecutive elements;
+  leading axes are independent rows (e.g. the layers of a stacked group). The last axis must be
+  a multiple of ``bucket``; :func:`pad_last` pads.
+* Each bucket has a ``scale`` and an ``offset``; a code ``q`` in ``[0, 2**bits - 1]`` stands for
+  ``offset + q * scale`` (:func:`dequantize`). Scales are rounded *up* to 16 significant bits
+  (:func:`round_scale_up`), which makes ``q * scale`` exact in float32 for every 8-bit ``q``:
+  dequantization then rounds once, so it gives the same bits with or without FMA contraction,
+  on every device and backend. The lossless weight all-gather relies on this.
+* Rounding modes:
+    ``"stochastic"``: ``q = floor((x - lo) / s + u)``, ``u ~ U[0, 1)`` per element; unbiased,
+      error < ``s`` per element, ``s = (hi - lo) / (2**bits - 1)``.
+    ``"nearest"``: ``q = round((x - lo) / s)``; error <= ``s / 2``; biased.
+    ``"shift"``: the QSDP grid projection. The grid is offset by a random fraction of a step,
+      ``offset = lo - xi * s`` with ``xi ~ U[0, 1)`` per bucket, then round to nearest. With
+      ``s = (hi - lo) / (2**bits - 2)`` the shifted grid covers ``[lo, hi]`` for every ``xi``,
+      so nothing is clipped and ``E_xi[dequantize(q)] = x`` exactly (dithered rounding);
+      error <= ``s / 2``. Needs ``bits >= 2``.
+  A bucket whose values are all equal gets ``scale = 0`` and ``offset = lo``: exact.
+* Randomness is a counter-based hash of ``(key, counter)`` (:func:`hash_uniform`), computed
+  identically in jnp and in Pallas kernels: elements use ``bucket_id * bucket + position`` as
+  counter, bucket shifts use ``bucket_id``. Callers pass *global* bucket ids, so the same
+  buffer quantizes the same way whether it is sharded over 1 or N devices.
+* Packing: groups of 8 codes of ``b`` bits pack into exactly ``b`` bytes, bit-plane order
+  (byte ``j`` of a group holds bit ``j`` of its 8 codes, code ``k`` at bit ``k``); ``b = 8`` is
+  the identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+QRounding = Literal["stochastic", "nearest", "shift"]
+ROUNDINGS = ("stochastic", "nearest", "shift")
+
+_GOLDEN = 0x9E3779B9
+
+
+# ----------------------------------------------------------------------------------------------
+# Counter-based randomness
+# ----------------------------------------------------------------------------------------------
+def mix32(x: jax.Array) -> jax.Array:
+    """A 32-bit integer finaliser (lowbias32): a bijection on uint32 with good avalanche."""
+    x = jnp.asarray(x, jnp.uint32)
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    x = x ^ (x >> 16)
+    return x
+
+
+def derive_key(seed, *parts) -> jax.Array:
+    """A uint32 key from a seed and integers (step, purpose, parameter index, layer, ...).
+
+    Parts may be Python ints or traced integer scalars; the key is a pure function of them,
+    never of host state or call order.
+    """
+    k = mix32(jnp.uint32(seed) ^ jnp.uint32(0x5EED5EED))
+    for p in parts:
+        p = jnp.asarray(p).astype(jnp.uint32)
+        k = mix32(k ^ (p * jnp.uint32(_GOLDEN) + jnp.uint32(0x7F4A7C15)))
+    return k
+
+
+def hash_uniform(key: jax.Array, counter: jax.Array) -> jax.Array:
+    """Uniform float32 in [0, 1) from a uint32 key and uint32 counters (any shape)."""
+    counter = jnp.asarray(counter).astype(jnp.uint32)
+    h = mix32(mix32(counter + jnp.asarray(key, jnp.uint32) * jnp.uint32(_GOLDEN)) ^ key)
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bucketing and grids
+# ----------------------------------------------------------------------------------------------
+def pad_last(x: jax.Array, multiple: int) -> jax.Array:
+    """Zero-pad the last axis up to a multiple of ``multiple``."""
+    n = x.shape[-1]
+    pad = (-n) % multiple
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * (x.ndim - 1) + [(0, pad)]
+    return jnp.pad(x, widths)
+
+
+def to_buckets(x: jax.Array, bucket: int) -> jax.Array:
+    """(..., n) -> (..., n // bucket, bucket); n must be a multiple of bucket."""
+    n = x.shape[-1]
+    if n % bucket:
+        raise ValueError(
+            f"last axis of length {n} is not a multiple of bucket={bucket}; pad it with pad_last"
+        )
+    return x.reshape(*x.shape[:-1], n // bucket, bucket)
+
+
+def round_scale_up(s: jax.Array) -> jax.Array:
+    """Round positive float32 scales up to 16 significant bits (see module docstring)."""
+    bits = lax.bitcast_convert_type(s.astype(jnp.float32), jnp.uint32)
+    bits = (bits + jnp.uint32(0xFF)) & jnp.uint32(0xFFFFFF00)
+    rounded = lax.bitcast_convert_type(bits, jnp.float32)
+    return jnp.where(jnp.isfinite(s) & (s > 0), rounded, s)
+
+
+def levels(bits: int) -> int:
+    return (1 << bits) - 1  # the largest code
+
+
+def _check_bits(bits: int):
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits={bits!r} is invalid: must be an integer in 1..8")
+
+
+def default_bucket_ids(shape: tuple[int, ...], bucket: int) -> jax.Array:
+    """Row-major bucket ids for an array of ``shape`` (last axis bucketed)."""
+    nb = shape[-1] // bucket
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return jnp.arange(rows * nb, dtype=jnp.uint32).reshape(*shape[:-1], nb)
+
+
+# ----------------------------------------------------------------------------------------------
+# QTensor
+# ----------------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+    """A bucket-quantized tensor.
+
+    Invariant: ``dequantize(q)[..., i] == offsets[..., i // bucket] + codes[..., i] *
+    scales[..., i // bucket]``, computed in float32 with one rounding (the product is exact),
+    and every code lies in ``[0, 2**bits - 1]``.
+
+    Attributes:
+      codes: uint8 (..., n), unpacked (one code per byte).
+      scales: float32 (..., n // bucket), >= 0.
+      offsets: float32 (..., n // bucket).
+      bits, bucket: static.
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    offsets: jax.Array
+    bits: int = dataclasses.field(metadata=dict(static=True))
+    bucket: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+    def dequantize(self) -> jax.Array:
+        return dequantize(self.codes, self.scales, self.offsets, self.bucket)
+
+
+def dequantize(codes: jax.Array, scales: jax.Array, offsets: jax.Array, bucket: int) -> jax.Array:
+    """``offset + code * scale`` per bucket, float32, shape of ``codes``."""
+    q = to_buckets(codes.astype(jnp.float32), bucket)
+    out = offsets[..., None] + q * scales[..., None]
+    return out.reshape(codes.shape)
+
+
+def quantize(
+    x: jax.Array,
+    bits: int,
+    bucket: int,
+    rounding: QRounding,
+    key: jax.Array | None = None,
+    bucket_ids: jax.Array | None = None,
+) -> QTensor:
+    """Quantize ``x`` (..., n) bucket-wise along the last axis.
+
+    Args:
+      rounding: ``"stochastic"``, ``"nearest"`` or ``"shift"`` (see module docstring).
+      key: uint32 key; required for ``"stochastic"`` and ``"shift"``.
+      bucket_ids: uint32 (..., n // bucket) global ids of the buckets, used as counters for the
+        randomness; defaults to row-major ids of ``x`` itself.
+    """
+    _check_bits(bits)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r} is invalid: must be one of {ROUNDINGS}")
+    if rounding != "nearest" and key is None:
+        raise ValueError(f"rounding={rounding!r} needs a key")
+    if rounding == "shift" and bits < 2:
+        raise ValueError("rounding='shift' needs bits >= 2 (one spare level covers the shift)")
+    xb = to_buckets(x.astype(jnp.float32), bucket)
+    lo = jnp.min(xb, axis=-1)
+    hi = jnp.max(xb, axis=-1)
+    top = levels(bits)
+    intervals = top - 1 if rounding == "shift" else top
+    scales = round_scale_up((hi - lo) / jnp.float32(intervals))
+    exact = scales == 0  # constant bucket: code 0 at offset lo
+    safe = jnp.where(exact, jnp.float32(1.0), scales)
+    if bucket_ids is None:
+        bucket_ids = default_bucket_ids(x.shape, bucket)
+    if rounding == "shift":
+        xi = hash_uniform(key, bucket_ids)
+        offsets = jnp.where(exact, lo, lo - xi * scales)
+    else:
+        offsets = lo
+    t = (xb - offsets[..., None]) / safe[..., None]
+    if rounding == "stochastic":
+        counters = bucket_ids[..., None] * jnp.uint32(bucket) + jnp.arange(bucket, dtype=jnp.uint32)
+        q = jnp.floor(t + hash_uniform(key, counters))
+    else:
+        q = jnp.round(t)
+    q = jnp.where(exact[..., None], 0.0, jnp.clip(q, 0, top))
+    codes = q.astype(jnp.uint8).reshape(x.shape)
+    return QTensor(codes=codes, scales=scales, offsets=offsets, bits=bits, bucket=bucket)
+
+
+def quantize_on_grid(
+    x: jax.Array, scales: jax.Array, offsets: jax.Array, bits: int, bucket: int
+) -> QTensor:
+    """Codes of ``x`` on a given grid (round to nearest, clipped). For ``x`` already on the grid
+    this recovers its codes exactly, so ``dequantize`` reproduces ``x`` bit for bit."""
+    xb = to_buckets(x.astype(jnp.float32), bucket)
+    exact = scales == 0
+    safe = jnp.where(exact, jnp.float32(1.0), scales)
+    q = jnp.round((xb - offsets[..., None]) / safe[..., None])
+    q = jnp.where(exact[..., None], 0.0, jnp.clip(q, 0, levels(bits)))
+    return QTensor(
+        codes=q.astype(jnp.uint8).reshape(x.shape), scales=scales, offsets=offsets,
+        bits=bits, bucket=bucket,
+    )
+
+
+def error_bound(qt: QTensor, rounding: QRounding) -> jax.Array:
+    """Per-bucket bound on |x - dequantize(q)|: ``scale`` for stochastic, ``scale/2`` otherwise
+    (plus float32 rounding of the dequantized value)."""
+    factor = 1.0 if rounding == "stochastic" else 0.5
+    return qt.scales * factor
+
+
+# ----------------------------------------------------------------------------------------------
+# Bit packing
+# ----------------------------------------------------------------------------------------------
+def packed_size(n: int, bits: int) -> int:
+    """Bytes holding ``n`` codes of ``bits`` bits: ``n`` for 8 bits, else ``ceil(n / 8) * bits``."""
+    return n if bits == 8 else -(-n // 8) * bits
+
+
+def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
+    """uint8 codes (..., n), each < 2**bits -> uint8 (..., packed_size(n, bits)).
+
+    A tail of fewer than 8 codes is padded with zero codes (dropped again by unpack_bits).
+    """
+    _check_bits(bits)
+    n = codes.shape[-1]
+    codes = codes.astype(jnp.uint8)
+    if bits == 8:
+        return codes
+    codes = pad_last(codes, 8)
+    m = codes.shape[-1] // 8
+    g = codes.reshape(*codes.shape[:-1], m, 8, 1)
+    planes = (g >> jnp.arange(bits, dtype=jnp.uint8)) & jnp.uint8(1)  # (..., m, 8, bits)
+    weights = (jnp.uint8(1) << jnp.arange(8, dtype=jnp.uint8))[:, None]  # code k -> bit k
+    packed = jnp.sum(planes * weights, axis=-2, dtype=jnp.uint8)  # (..., m, bits)
+    return packed.reshape(*codes.shape[:-1], m * bits)
+
+
+def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
+    """Inverse of :func:`pack_bits`: uint8 (..., packed_size(n, bits)) -> uint8 codes (..., n)."""
+    _check_bits(bits)
+    if packed.shape[-1] != packed_size(n, bits):
+        raise ValueError(
+            f"packed length {packed.shape[-1]} does not match {n} codes of {bits} bits"
+        )
+    if bits == 8:
+        return packed
+    m = packed.shape[-1] // bits
+    g = packed.reshape(*packed.shape[:-1], m, 1, bits)
+    bitsk = (g >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & jnp.uint8(1)  # (..., m, 8, bits)
+    weights = jnp.uint8(1) << jnp.arange(bits, dtype=jnp.uint8)  # plane j -> bit j of the code
+    codes = jnp.sum(bitsk * weights, axis=-1, dtype=jnp.uint8)
+    return codes.reshape(*packed.shape[:-1], m * 8)[..., :n]
+
+
+def wire_bytes_per_element(bits: int, bucket: int) -> float:
+    """Bytes per element of a packed QTensor with float32 scale and offset per bucket."""
+    return bits / 8 + 8 / bucket

@@ -1,0 +1,231 @@
+"""Meshes and the sharded layout of a parameter pytree.
+
+Layout (FSDP's FlatParameter idea): parameters are a dict of *groups*. In each group, every
+leaf with at least ``min_shard_size`` elements (per layer, for a layer-stacked group) is
+flattened into one float32 buffer, each leaf padded to whole buckets so that no bucket spans two
+leaves, and the buffer is padded to a multiple of ``num_shards * bucket`` so that every device
+holds the same number of whole buckets. The buffer is sharded over the FSDP axis: device ``i``
+holds elements ``[i * chunk, (i + 1) * chunk)``. Any shape works this way (a 7x13 matrix on 8
+devices is 91 elements in a 8 * bucket buffer). Smaller leaves (biases, norm scales) stay
+full precision and replicated on every device. One buffer per group (per layer) means one
+collective per group, whatever its number of leaves: quantization is batched, and the compiled
+step stays small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+PyTree = Any
+
+
+def make_mesh(axis_name: str = "fsdp", devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh over ``devices`` (default: all devices of all processes) on ``axis_name``.
+
+    Uses ``AxisType.Auto`` (the classic style): shardings are given explicitly where they matter.
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    if not devs:
+        raise ValueError("make_mesh needs at least one device")
+    return Mesh(np.array(devs), (axis_name,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def check_mesh(mesh: Mesh, axis_name: str) -> int:
+    """The size of ``axis_name`` in ``mesh``; a clear error if the axis is missing."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"mesh has no axis {axis_name!r} (its axes are {mesh.axis_names}); build it with "
+            f"qsdp_jax.make_mesh({axis_name!r}) or set QSDPConfig.axis_name"
+        )
+    if len(mesh.axis_names) != 1:
+        raise ValueError(
+            f"only 1-D meshes are supported for now, got axes {mesh.axis_names}"
+        )
+    return mesh.shape[axis_name]
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one sharded leaf lives in its group's flat buffer (per layer)."""
+
+    index: int  # position among the group's leaves (treedef order)
+    shape: tuple[int, ...]  # per-layer shape
+    dtype: str
+    offset: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLayout:
+    name: str
+    stacked: bool
+    n_layers: int  # 0 for a non-stacked group
+    treedef: Any
+    num_leaves: int
+    slots: tuple[Slot, ...]  # sharded leaves
+    replicated: tuple[int, ...]  # leaf indices kept replicated
+    flat_size: int  # padded length of the flat buffer (per layer); 0 if nothing is sharded
+    chunk: int  # flat_size // num_shards
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.flat_size > 0
+
+    @property
+    def real_size(self) -> int:
+        return sum(s.size for s in self.slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+    """The map between a parameter dict and its sharded state (see module docstring)."""
+
+    groups: tuple[GroupLayout, ...]
+    num_shards: int
+    bucket: int
+
+    @classmethod
+    def create(
+        cls,
+        params: dict[str, PyTree],
+        num_shards: int,
+        bucket: int,
+        min_shard_size: int,
+        stacked: Sequence[str] = (),
+    ) -> "FlatLayout":
+        if not isinstance(params, dict) or not params:
+            raise ValueError("params must be a non-empty dict of groups, e.g. {'embed': ..., 'blocks': ...}")
+        unknown = set(stacked) - set(params)
+        if unknown:
+            raise ValueError(f"stacked groups {sorted(unknown)} are not in params (groups: {sorted(params)})")
+        groups = []
+        for name in sorted(params):
+            leaves, treedef = jax.tree_util.tree_flatten(params[name])
+            is_stacked = name in stacked
+            n_layers = 0
+            if is_stacked:
+                dims = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+                if len(dims) != 1 or None in dims:
+                    raise ValueError(
+                        f"stacked group {name!r} needs the same leading layer axis on every leaf, "
+                        f"got leading dims {sorted(map(str, dims))}"
+                    )
+                n_layers = dims.pop()
+            slots, replicated, offset = [], [], 0
+            for i, x in enumerate(leaves):
+                shape = tuple(np.shape(x)[1:] if is_stacked else np.shape(x))
+                size = math.prod(shape)
+                if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) or size < min_shard_size:
+                    replicated.append(i)
+                    continue
+                slots.append(Slot(i, shape, str(jnp.asarray(x).dtype), offset, size))
+                offset += _round_up(size, bucket)
+            flat = _round_up(offset, num_shards * bucket) if slots else 0
+            groups.append(
+                GroupLayout(
+                    name=name, stacked=is_stacked, n_layers=n_layers, treedef=treedef,
+                    num_leaves=len(leaves), slots=tuple(slots), replicated=tuple(replicated),
+                    flat_size=flat, chunk=flat // num_shards,
+                )
+            )
+        return cls(groups=tuple(groups), num_shards=num_shards, bucket=bucket)
+
+    def group(self, name: str) -> GroupLayout:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"unknown parameter group {name!r}; groups are {[g.name for g in self.groups]}")
+
+    def group_index(self, name: str) -> int:
+        return [g.name for g in self.groups].index(self.group(name).name)
+
+    # --- pytree <-> flat -----------------------------------------------------------------------
+    def flatten(self, params: dict[str, PyTree]) -> dict[str, dict]:
+        """``{"sharded": {group: flat}, "replicated": {group: tuple of leaves}}``.
+
+        ``flat`` is (flat_size,) or (n_layers, flat_size) float32.
+        """
+        sharded, replicated = {}, {}
+        for g in self.groups:
+            leaves = jax.tree_util.tree_leaves(params[g.name])
+            if len(leaves) != g.num_leaves:
+                raise ValueError(f"group {g.name!r} has {len(leaves)} leaves, the layout expects {g.num_leaves}")
+            replicated[g.name] = tuple(jnp.asarray(leaves[i]) for i in g.replicated)
+            if g.is_sharded:
+                lead = (g.n_layers,) if g.stacked else ()
+                parts = []
+                for s in g.slots:
+                    x = jnp.asarray(leaves[s.index], jnp.float32).reshape(*lead, s.size)
+                    parts.append(_pad_to(x, _round_up(s.size, self.bucket)))
+                flat = jnp.concatenate(parts, axis=-1)
+                sharded[g.name] = _pad_to(flat, g.flat_size)
+        return {"sharded": sharded, "replicated": replicated}
+
+    def unflatten_group(self, name: str, flat: jax.Array | None, replicated: tuple) -> PyTree:
+        """One group's pytree from its full flat buffer (``(flat_size,)``, or with leading layer
+        axes) and its replicated leaves (with the same leading axes)."""
+        g = self.group(name)
+        leaves: list = [None] * g.num_leaves
+        for i, x in zip(g.replicated, replicated):
+            leaves[i] = x
+        if g.slots:
+            lead = flat.shape[:-1]
+            for s in g.slots:
+                x = flat[..., s.offset : s.offset + s.size]
+                leaves[s.index] = x.reshape(*lead, *s.shape).astype(s.dtype)
+        return jax.tree_util.tree_unflatten(g.treedef, leaves)
+
+    def unflatten(self, state_params: dict[str, dict]) -> dict[str, PyTree]:
+        """Inverse of :func:`flatten` (on full, gathered buffers)."""
+        return {
+            g.name: self.unflatten_group(
+                g.name, state_params["sharded"].get(g.name), state_params["replicated"][g.name]
+            )
+            for g in self.groups
+        }
+
+    # --- shardings -----------------------------------------------------------------------------
+    def specs(self, axis_name: str) -> dict[str, dict]:
+        """PartitionSpecs of the flattened state: buffers sharded on their last axis."""
+        sharded = {
+            g.name: (P(None, axis_name) if g.stacked else P(axis_name))
+            for g in self.groups
+            if g.is_sharded
+        }
+        replicated = {g.name: tuple(P() for _ in g.replicated) for g in self.groups}
+        return {"sharded": sharded, "replicated": replicated}
+
+    def shardings(self, mesh: Mesh, axis_name: str) -> dict[str, dict]:
+        return jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec), self.specs(axis_name),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+    def table(self) -> str:
+        """A readable summary: per group, sharded elements, padding, replicated leaves."""
+        rows = [f"{'group':<14}{'layers':>7}{'sharded':>12}{'padded':>12}{'replicated':>12}"]
+        for g in self.groups:
+            rows.append(
+                f"{g.name:<14}{g.n_layers:>7}{g.real_size:>12}{g.flat_size:>12}{len(g.replicated):>12}"
+            )
+        return "\n".join(rows)
+
+
+def _pad_to(x: jax.Array, n: int) -> jax.Array:
+    pad = n - x.shape[-1]
+    if pad == 0:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])

@@ -1,0 +1,326 @@
+"""The sharded train step: FSDP with quantized collectives, per-layer gathers, shard updates.
+
+Usage::
+
+    mesh = qsdp_jax.make_mesh()
+    config = qsdp_jax.QSDPConfig.qsdp(weight_bits=8, grad_bits=8)
+    opt = qsdp_jax.optim.qsdp(optax.adam(1e-3), config)
+    state = qsdp_jax.init_train_state(params, opt, mesh, config, stacked=("blocks",))
+    step = qsdp_jax.make_train_step(loss_fn, opt, mesh, config)
+    state, metrics = step(state, batch)
+
+``loss_fn(p: ParamAccess, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``) reads
+its parameters through ``p.gather(group)`` / ``p.scan(group, body, carry)``
+(``qsdp_jax.access``). Inside the step, which is one ``jax.shard_map`` over the mesh:
+
+1. each device takes its slice of the batch (the global batch must divide over the devices);
+2. ``gather`` all-gathers a group's flat buffer (quantized per the config; lossless in
+   ``"qsdp"`` mode), ``scan`` does the same one layer at a time inside ``lax.scan`` and
+   rematerialises the layer in the backward pass, so peak memory holds one layer's weights;
+3. the backward pass of each gather reduce-scatters that buffer's gradient (quantized), so each
+   device receives the summed gradient of its own shard; replicated small leaves are averaged
+   with ``pmean``;
+4. the optimizer updates the local shards; in ``"qsdp"`` mode the new weights are snapped
+   exactly onto the new grid held in the optimizer state;
+5. if any gradient is non-finite on any device, weights and optimizer state are left as they
+   were and ``metrics["nonfinite"]`` is 1.
+
+Gradient-quantization keys are ``derive_key(seed, GRAD, step, group, layer)`` folded with the
+sender's index: the backward re-gather and every resumed run see the same randomness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from qsdp_jax import optim as qoptim
+from qsdp_jax import quantizers as qz
+from qsdp_jax.collectives import GatherSpec, make_gather
+from qsdp_jax.config import QSDPConfig
+from qsdp_jax.sharding import FlatLayout, check_mesh
+
+PyTree = Any
+PURPOSE_GRAD = 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Sharded training state.
+
+    Attributes:
+      step: int32 scalar, replicated; counts every step, skipped (non-finite) ones included.
+      params: ``{"sharded": {group: flat buffer}, "replicated": {group: tuple of leaves}}``
+        (see ``qsdp_jax.sharding.FlatLayout``); flat buffers are sharded over the FSDP axis.
+      opt_state: the optimizer state of each device's local params, stacked on a leading device
+        axis sharded over the FSDP axis (so any optax state shards without extra rules).
+      layout: static; maps ``params`` back to the model's pytree.
+    """
+
+    step: jax.Array
+    params: dict
+    opt_state: PyTree
+    layout: FlatLayout = dataclasses.field(metadata=dict(static=True))
+
+
+class ShardedParams:
+    """:class:`qsdp_jax.access.ParamAccess` inside the train step (see the module docstring)."""
+
+    def __init__(self, layout: FlatLayout, params: dict, grid, step, config: QSDPConfig):
+        self._layout = layout
+        self._params = params
+        self._grid = grid  # (scales, offsets) trees over params["sharded"], or None
+        self._step = step
+        self._config = config
+        self._gather = make_gather(GatherSpec.from_config(config))
+
+    def _key(self, group: str, layer) -> jax.Array:
+        gi = self._layout.group_index(group)
+        return qz.derive_key(self._config.seed, PURPOSE_GRAD, self._step, gi, layer)
+
+    def _grid_of(self, group: str):
+        """(scales, offsets) of a group's local buffer: (n_buckets,) or (n_layers, n_buckets)."""
+        if self._grid is None:
+            return None
+        scales, offsets = self._grid[0][group], self._grid[1][group]
+        if not self._layout.group(group).stacked:  # the optimizer keeps 2-D rows: (1, n_buckets)
+            scales, offsets = scales.reshape(-1), offsets.reshape(-1)
+        return scales, offsets
+
+    def gather(self, group: str) -> PyTree:
+        g = self._layout.group(group)
+        if g.stacked:
+            raise ValueError(f"group {group!r} is layer-stacked: read it with scan(), not gather()")
+        flat = None
+        if g.is_sharded:
+            flat = self._gather(self._params["sharded"][group], self._grid_of(group), self._key(group, 0))
+        return self._layout.unflatten_group(group, flat, self._params["replicated"][group])
+
+    def scan(self, group, body, init, xs=None, *, remat=True):
+        g = self._layout.group(group)
+        if not g.stacked:
+            raise ValueError(f"group {group!r} is not layer-stacked: read it with gather(), not scan()")
+        shards = self._params["sharded"].get(group)
+        grid = self._grid_of(group) if g.is_sharded else None
+
+        def layer(carry, inputs):
+            shard, grid_l, replicated, index, x = inputs
+            flat = self._gather(shard, grid_l, self._key(group, index)) if g.is_sharded else None
+            return body(carry, self._layout.unflatten_group(group, flat, replicated), x)
+
+        if remat:
+            layer = jax.checkpoint(layer, prevent_cse=False)
+        indices = jnp.arange(g.n_layers, dtype=jnp.int32)
+        return lax.scan(layer, init, (shards, grid, self._params["replicated"][group], indices, xs))
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers shared by init and step
+# ----------------------------------------------------------------------------------------------
+def _sharded_mask(params: dict) -> dict:
+    return {
+        "sharded": jax.tree.map(lambda _: True, params["sharded"]),
+        "replicated": jax.tree.map(lambda _: False, params["replicated"]),
+    }
+
+
+def _grid_for_step(opt_state, config: QSDPConfig, layout: FlatLayout):
+    if config.weight_mode != "qsdp":
+        return None
+    st = qoptim.find_qsdp_state(opt_state)
+    if st is None:
+        raise ValueError(
+            "weight_mode='qsdp' needs the optimizer wrapped with qsdp_jax.optim.qsdp(base, config)"
+        )
+    if st.bits != config.weight_bits or st.bucket != config.bucket_size:
+        raise ValueError(
+            f"the optimizer was built for weight_bits={st.bits}, bucket_size={st.bucket}, but the "
+            f"train step's config has weight_bits={config.weight_bits}, "
+            f"bucket_size={config.bucket_size}: build both from the same QSDPConfig"
+        )
+    return st.scales["sharded"], st.offsets["sharded"]
+
+
+def _check_config(config):
+    if not isinstance(config, QSDPConfig):
+        raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
+
+
+def init_train_state(
+    params: dict[str, PyTree],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    config: QSDPConfig,
+    *,
+    stacked: Sequence[str] = (),
+) -> TrainState:
+    """Shard ``params`` over the mesh, initialise the optimizer on each device's shards and, in
+    ``"qsdp"`` mode, project the weights onto their initial grid.
+
+    Args:
+      params: a dict of groups (see ``qsdp_jax.access``).
+      stacked: the groups whose leaves carry a leading layer axis (read with ``scan``).
+    """
+    _check_config(config)
+    n = check_mesh(mesh, config.axis_name)
+    axis = config.axis_name
+    layout = FlatLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked)
+    specs = layout.specs(axis)
+    flat = jax.jit(layout.flatten, out_shardings=layout.shardings(mesh, axis))(params)
+
+    def local_init(p):
+        with qoptim.sharding_context(axis, n, _sharded_mask(p)):
+            opt_state = optimizer.init(p)
+            if config.weight_mode == "qsdp":
+                _grid_for_step(opt_state, config, layout)  # clear error if not wrapped
+                p = qoptim.snap_to_grid(p, opt_state, config)
+        return p, jax.tree.map(lambda x: jnp.asarray(x)[None], opt_state)
+
+    out_specs = (specs, P(axis))  # P(axis) is a prefix: every opt_state leaf
+    init_fn = jax.jit(
+        jax.shard_map(local_init, mesh=mesh, in_specs=(specs,), out_specs=out_specs, check_vma=False)
+    )
+    p, opt_state = init_fn(flat)
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    return TrainState(step=step, params=p, opt_state=opt_state, layout=layout)
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    config: QSDPConfig,
+    *,
+    has_aux: bool = False,
+    aux_out_spec: Any = None,
+    donate: bool = True,
+) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
+    """A jitted ``step(state, batch) -> (state, metrics)`` (see the module docstring).
+
+    Args:
+      loss_fn: ``loss_fn(p, batch)`` with ``p`` a ``ParamAccess``; returns the mean loss over the
+        local batch (or ``(loss, aux)`` with ``has_aux``).
+      optimizer: the optimizer the state was initialised with (``qsdp(...)``-wrapped in
+        ``"qsdp"`` mode).
+      aux_out_spec: out_specs for ``aux`` (default ``P(axis)``: per-device values concatenated
+        on their leading axis; give ``jax.P()`` for values that are the same everywhere).
+      donate: donate the input state's buffers to the output.
+
+    Metrics: ``loss`` (global mean), ``grad_norm`` (global, of the averaged gradient),
+    ``nonfinite`` (1 when the update was skipped), ``step`` (the step that was taken).
+    """
+    _check_config(config)
+    n = check_mesh(mesh, config.axis_name)
+    axis = config.axis_name
+
+    def local_step(step, params, opt_state, batch, layout):
+        opt_state = jax.tree.map(lambda x: x[0], opt_state)
+        grid = _grid_for_step(opt_state, config, layout)
+
+        def objective(p):
+            out = loss_fn(ShardedParams(layout, p, grid, step, config), batch)
+            return out if has_aux else (out, None)
+
+        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        grads = {
+            "sharded": jax.tree.map(lambda g: g / n, grads["sharded"]),
+            "replicated": jax.tree.map(lambda g: lax.pmean(g, axis), grads["replicated"]),
+        }
+        mask = _sharded_mask(params)
+        with qoptim.sharding_context(axis, n, mask):
+            finite = qoptim._all_finite(grads, qoptim._CONTEXT.get())
+            updates, new_opt = optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            if config.weight_mode == "qsdp":
+                new_params = qoptim.snap_to_grid(new_params, new_opt, config)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        new_params = jax.tree.map(keep, new_params, params)
+        new_opt = jax.tree.map(keep, new_opt, opt_state)
+        sq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads["sharded"]))
+        sq = lax.psum(jnp.asarray(sq, jnp.float32), axis)
+        sq = sq + sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads["replicated"]))
+        metrics = {
+            "loss": lax.pmean(loss, axis),
+            "grad_norm": jnp.sqrt(sq),
+            "nonfinite": (~finite).astype(jnp.int32),
+            "step": step,
+        }
+        new_opt = jax.tree.map(lambda x: x[None], new_opt)
+        return step + 1, new_params, new_opt, metrics, aux
+
+    def step_fn(state: TrainState, batch):
+        _check_batch(batch, n)
+        layout = state.layout
+        specs = layout.specs(axis)
+        opt_specs = P(axis)  # a prefix: every opt_state leaf has a leading device axis
+        batch_specs = jax.tree.map(lambda _: P(axis), batch)
+        aux_spec = P(axis) if aux_out_spec is None else aux_out_spec
+        body = jax.shard_map(
+            lambda s, p, o, b: local_step(s, p, o, b, layout),
+            mesh=mesh,
+            in_specs=(P(), specs, opt_specs, batch_specs),
+            out_specs=(P(), specs, opt_specs, P(), aux_spec if has_aux else P()),
+            check_vma=False,
+        )
+        step, params, opt_state, metrics, aux = body(state.step, state.params, state.opt_state, batch)
+        new_state = TrainState(step=step, params=params, opt_state=opt_state, layout=layout)
+        return (new_state, metrics, aux) if has_aux else (new_state, metrics)
+
+    return jax.jit(step_fn, donate_argnums=(0,) if donate else ())
+
+
+def make_eval_step(
+    loss_fn: Callable[..., Any], mesh: Mesh, config: QSDPConfig
+) -> Callable[[TrainState, PyTree], jax.Array]:
+    """A jitted ``eval(state, batch) -> mean loss`` with the same gathers as training (lossless
+    in ``"qsdp"`` mode: evaluation sees exactly the weights training uses)."""
+    _check_config(config)
+    n = check_mesh(mesh, config.axis_name)
+    axis = config.axis_name
+
+    def local_eval(step, params, opt_state, batch, layout):
+        opt_state = jax.tree.map(lambda x: x[0], opt_state)
+        grid = _grid_for_step(opt_state, config, layout)
+        loss = loss_fn(ShardedParams(layout, params, grid, step, config), batch)
+        return lax.pmean(loss, axis)
+
+    def eval_fn(state: TrainState, batch):
+        _check_batch(batch, n)
+        layout = state.layout
+        body = jax.shard_map(
+            lambda s, p, o, b: local_eval(s, p, o, b, layout),
+            mesh=mesh,
+            in_specs=(P(), layout.specs(axis), P(axis),
+                      jax.tree.map(lambda _: P(axis), batch)),
+            out_specs=P(),
+            check_vma=False,
+        )
+        return body(state.step, state.params, state.opt_state, batch)
+
+    return jax.jit(eval_fn)
+
+
+def _check_batch(batch, n: int):
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("the batch is empty")
+    for x in leaves:
+        if x.ndim == 0:
+            raise ValueError("every batch leaf needs a leading batch axis; got a scalar")
+        if x.shape[0] % n:
+            raise ValueError(
+                f"the global batch of {x.shape[0]} examples does not divide over {n} devices: "
+                f"use a multiple of {n}"
+            )
+
+
+def gather_params(state: TrainState) -> dict[str, PyTree]:
+    """The full parameter pytree (the optimizer's values) from a TrainState, as global arrays."""
+    return state.layout.unflatten(state.params)

@@ -1,0 +1,176 @@
+"""Quantized collectives inside shard_map against their exact full-precision counterparts."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import qsdp_jax as q
+from qsdp_jax import collectives as qc
+from qsdp_jax import quantizers as qz
+
+N = 8
+BUCKET = 64
+AXIS = "fsdp"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return q.make_mesh(AXIS)
+
+
+def _smap(mesh, fn, in_specs, out_specs):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+
+def _weights(n=N * 4 * BUCKET, seed=0):
+    x = np.random.default_rng(seed).normal(size=(n,)).astype(np.float32)
+    x[: 2 * BUCKET] *= 50.0
+    return jnp.asarray(x)
+
+
+def test_payload_roundtrip():
+    x = _weights(3 * BUCKET)
+    for bits in (1, 3, 4, 8):
+        qt = qz.quantize(x, bits, BUCKET, "stochastic", qz.derive_key(bits))
+        payload = qc.to_payload(qt)
+        assert payload.dtype == jnp.uint8
+        assert payload.shape == (qc.payload_size(x.size, bits, BUCKET),)
+        back = qc.from_payload(payload, x.size, bits, BUCKET)
+        chex.assert_trees_all_equal(back.dequantize(), qt.dequantize())
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_gather_on_grid_is_lossless_on_every_device(mesh, bits):
+    """Invariant 2 at the collective level: shards on their grid gather bit for bit."""
+    x = _weights()
+
+    def f(shard):
+        i = lax.axis_index(AXIS)
+        qt = qz.quantize(shard, bits, BUCKET, "shift", qz.derive_key(5, i))
+        on_grid = qt.dequantize()
+        got = qc.quantized_all_gather(
+            on_grid, bits=bits, bucket=BUCKET, axis_name=AXIS, grid=(qt.scales, qt.offsets)
+        )
+        want = lax.all_gather(on_grid, AXIS, tiled=True)
+        return got[None], want[None]
+
+    got, want = _smap(mesh, f, P(AXIS), (P(AXIS), P(AXIS)))(x)
+    assert got.shape == (N, x.size)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_comm_gather_error_within_nearest_bound(mesh, bits):
+    x = _weights(seed=1)
+    got = _smap(
+        mesh,
+        lambda s: qc.quantized_all_gather(s, bits=bits, bucket=BUCKET, axis_name=AXIS),
+        P(AXIS), P(),
+    )(x)
+    xb = np.asarray(x).reshape(-1, BUCKET)
+    step = np.repeat((xb.max(1) - xb.min(1)) / (2**bits - 1), BUCKET)
+    err = np.abs(np.asarray(got) - np.asarray(x))
+    assert np.all(err <= 0.5 * step * (1 + 2**-15) + 1e-5)
+
+
+def test_fp_collectives_match_lax(mesh):
+    x = _weights(seed=2)
+    g = _smap(mesh, lambda s: qc.all_gather_fp(s, axis_name=AXIS), P(AXIS), P())(x)
+    chex.assert_trees_all_equal(g, x)
+    gb = _smap(mesh, lambda s: qc.all_gather_fp(s, axis_name=AXIS, dtype="bfloat16"), P(AXIS), P())(x)
+    chex.assert_trees_all_equal(gb, x.astype(jnp.bfloat16).astype(jnp.float32))
+    full = jnp.stack([_weights(seed=10 + i) for i in range(N)])  # one full buffer per device
+    rs = _smap(mesh, lambda f: qc.reduce_scatter_fp(f[0], axis_name=AXIS), P(AXIS), P(AXIS))(full)
+    np.testing.assert_allclose(np.asarray(rs), np.asarray(full.sum(0)), rtol=1e-5, atol=1e-4)
+
+
+def _quantized_rs(mesh, full, bits, keys, rounding="stochastic"):
+    def f(fb, key):
+        return qc.quantized_reduce_scatter(
+            fb[0], bits=bits, bucket=BUCKET, axis_name=AXIS, key=key[0], rounding=rounding
+        )
+
+    fn = _smap(mesh, f, (P(AXIS), P()), P(AXIS))
+    return np.stack([np.asarray(fn(full, jnp.asarray([k], jnp.uint32))) for k in keys])
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantized_reduce_scatter_single_draw_bound(mesh, bits):
+    """Invariant 3: one draw errs by less than the sum of the senders' bucket steps."""
+    full = jnp.stack([_weights(seed=20 + i) for i in range(N)])
+    exact = np.asarray(full.sum(0))
+    got = _quantized_rs(mesh, full, bits, [123])[0]
+    fb = np.asarray(full).reshape(N, -1, BUCKET)
+    steps = (fb.max(2) - fb.min(2)) / (2**bits - 1)  # (sender, bucket)
+    bound = np.repeat(steps.sum(0), BUCKET) * (1 + 2**-15) + 1e-4
+    assert np.all(np.abs(got - exact) <= bound)
+
+
+def test_quantized_reduce_scatter_is_unbiased_at_rate_one_over_sqrt_keys(mesh):
+    """Invariant 3: the mean over K keys approaches the exact sum like 1/sqrt(K)."""
+    full = jnp.stack([_weights(N * 2 * BUCKET, seed=40 + i) for i in range(N)])
+    exact = np.asarray(full.sum(0))
+    draws = _quantized_rs(mesh, full, 2, range(256))
+    err_16 = np.sqrt(np.mean((draws[:16].mean(0) - exact) ** 2))
+    err_256 = np.sqrt(np.mean((draws.mean(0) - exact) ** 2))
+    ratio = err_16 / err_256  # 4 for an unbiased estimator
+    assert 2.5 < ratio < 6.5, ratio
+    # A biased quantizer does not improve with more keys: the check can fail.
+    near = _quantized_rs(mesh, full, 2, range(16), rounding="nearest")
+    assert np.allclose(near[0], near[-1])
+
+
+def test_senders_use_independent_keys(mesh):
+    """The same full buffer on every device must not round the same way on every sender."""
+    one = _weights(N * BUCKET, seed=50)
+    full = jnp.stack([one] * N)
+    got = _quantized_rs(mesh, full, 1, [9])[0]
+    fb = np.asarray(one).reshape(-1, BUCKET)
+    step = np.repeat(fb.max(1) - fb.min(1), BUCKET)
+    # identical rounding on all senders would give N * (lo or lo + step): check intermediate sums
+    k = (got - N * np.repeat(fb.min(1), BUCKET)) / step
+    assert np.mean(np.abs(k - np.round(k / N) * N) > 0.5) > 0.3
+
+
+@pytest.mark.parametrize(
+    "config",
+    [q.QSDPConfig.fp32(bucket_size=BUCKET), q.QSDPConfig.bf16(bucket_size=BUCKET),
+     q.QSDPConfig(weight_mode="comm", weight_bits=8, grad_bits=8, bucket_size=BUCKET)],
+    ids=lambda c: c.name,
+)
+def test_gather_vjp_is_the_reduce_scatter(mesh, config):
+    spec = qc.GatherSpec.from_config(config)
+    gather = qc.make_gather(spec)
+    x = _weights(seed=60)
+    w = jnp.stack([_weights(seed=61 + i) for i in range(N)])  # per-device cotangent weights
+
+    def f(shard, wd):
+        key = jnp.uint32(3)
+        return jax.grad(lambda s: jnp.sum(gather(s, None, key) * wd[0]))(shard)
+
+    g = np.asarray(_smap(mesh, f, (P(AXIS), P(AXIS)), P(AXIS))(x, w))
+    exact = np.asarray(w.sum(0))
+    if config.grad_bits is None and config.fp_comm_dtype == "float32":
+        np.testing.assert_allclose(g, exact, rtol=1e-5, atol=1e-4)
+    else:
+        scale = np.abs(np.asarray(w)).max() * N
+        assert np.max(np.abs(g - exact)) < 0.05 * scale
+
+
+def test_qsdp_gather_without_grid_is_an_error(mesh):
+    spec = qc.GatherSpec.from_config(q.QSDPConfig(bucket_size=BUCKET))
+    with pytest.raises(ValueError, match="grid"):
+        _smap(mesh, lambda s: spec.gather(s, None), P(AXIS), P())(_weights())
+
+
+def test_reduce_scatter_rejects_ragged_buffers(mesh):
+    with pytest.raises(ValueError, match="whole buckets"):
+        _smap(
+            mesh,
+            lambda f: qc.quantized_reduce_scatter(f, bits=4, bucket=BUCKET, axis_name=AXIS, key=jnp.uint32(0)),
+            P(), P(AXIS),
+        )(jnp.ones((N * BUCKET + 8,)))

@@ -1,0 +1,66 @@
+"""QSDPConfig: every invalid field raises a ValueError naming field, value and rule."""
+
+import pytest
+
+from qsdp_jax import QSDPConfig
+
+
+def test_defaults_are_qsdp_w8g8():
+    c = QSDPConfig()
+    assert (c.weight_bits, c.grad_bits, c.weight_mode, c.grad_rounding) == (8, 8, "qsdp", "stochastic")
+    assert c.name == "qsdp-W8G8"
+
+
+def test_presets_and_names():
+    assert QSDPConfig.fp32().name == "fp32"
+    assert QSDPConfig.bf16().name == "bf16"
+    assert QSDPConfig.qsdp(4, 4).name == "qsdp-W4G4"
+    assert QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=None).name == "comm-W4GF32"
+    assert not QSDPConfig.fp32().quantizes_weights and not QSDPConfig.fp32().quantizes_grads
+
+
+def test_frozen():
+    with pytest.raises(Exception):
+        QSDPConfig().weight_bits = 4
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("weight_bits", 0, "1..8"),
+        ("weight_bits", 9, "1..8"),
+        ("weight_bits", 4.0, "1..8"),
+        ("weight_bits", True, "1..8"),
+        ("grad_bits", -1, "1..8"),
+        ("grad_bits", "8", "1..8"),
+        ("bucket_size", 4, ">= 8"),
+        ("bucket_size", 100, "multiple of 8"),
+        ("bucket_size", 64.0, "integer"),
+        ("weight_mode", "zero++", "'qsdp', 'comm', 'full'"),
+        ("grad_rounding", "floor", "'stochastic', 'nearest'"),
+        ("min_shard_size", -1, ">= 0"),
+        ("seed", -3, ">= 0"),
+        ("seed", 2**32, "2**32"),
+        ("fp_comm_dtype", "float16", "'float32', 'bfloat16'"),
+        ("axis_name", "", "non-empty"),
+    ],
+)
+def test_invalid_field(field, value, words):
+    with pytest.raises(ValueError) as e:
+        QSDPConfig(**{field: value})
+    msg = str(e.value)
+    assert f"QSDPConfig.{field}={value!r}" in msg
+    assert words in msg
+
+
+def test_mode_bits_consistency():
+    with pytest.raises(ValueError, match=r"weight_bits=8.*weight_mode='full'"):
+        QSDPConfig(weight_mode="full", weight_bits=8)
+    with pytest.raises(ValueError, match=r"weight_bits=None.*weight_mode='qsdp'"):
+        QSDPConfig(weight_mode="qsdp", weight_bits=None)
+    with pytest.raises(ValueError, match=r"weight_bits=None.*weight_mode='comm'"):
+        QSDPConfig(weight_mode="comm", weight_bits=None)
+    with pytest.raises(ValueError, match=r"weight_bits=1.*spare level"):
+        QSDPConfig(weight_mode="qsdp", weight_bits=1)
+    # 1-bit weights are allowed when only the all-gather is quantized.
+    assert QSDPConfig(weight_mode="comm", weight_bits=1).weight_bits == 1
