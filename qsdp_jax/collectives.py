@@ -28,9 +28,6 @@ from jax import lax
 
 from qsdp_jax import quantizers as qz
 
-_FP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
 # ----------------------------------------------------------------------------------------------
 # One uint8 payload per QTensor: [packed codes | scales bytes | offsets bytes]
 # ----------------------------------------------------------------------------------------------
@@ -92,9 +89,16 @@ def quantized_all_gather(
 
 
 def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -> jax.Array:
-    """Plain all-gather in float32 or bfloat16 (weights cast for the wire); float32 result."""
-    wire = shard.astype(_FP_DTYPES[dtype])
-    return lax.all_gather(wire, axis_name, axis=0, tiled=True).astype(jnp.float32)
+    """Plain all-gather in float32 or bfloat16 (weights cast for the wire); float32 result.
+
+    bfloat16 travels bitcast to uint16: XLA's CPU backend otherwise widens bf16 collectives to
+    f32, and the bytes on the wire would not be the ones the baseline claims.
+    """
+    if dtype == "float32":
+        return lax.all_gather(shard.astype(jnp.float32), axis_name, axis=0, tiled=True)
+    wire = lax.bitcast_convert_type(shard.astype(jnp.bfloat16), jnp.uint16)
+    got = lax.all_gather(wire, axis_name, axis=0, tiled=True)
+    return lax.bitcast_convert_type(got, jnp.bfloat16).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,9 +132,18 @@ def quantized_reduce_scatter(
 
 
 def reduce_scatter_fp(full: jax.Array, *, axis_name: str, dtype: str = "float32") -> jax.Array:
-    """Plain reduce-scatter (sum) in float32 or bfloat16; float32 result."""
-    wire = full.astype(_FP_DTYPES[dtype])
-    return lax.psum_scatter(wire, axis_name, scatter_dimension=0, tiled=True).astype(jnp.float32)
+    """Plain reduce-scatter (sum) in float32 or bfloat16; float32 result.
+
+    float32 is XLA's reduce-scatter. bfloat16 is an ``all_to_all`` of the bf16 chunks (bitcast
+    to uint16, see :func:`all_gather_fp`) summed in float32: the same bytes as a bf16
+    reduce-scatter, with a float32 sum.
+    """
+    if dtype == "float32":
+        return lax.psum_scatter(full.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
+    num = lax.axis_size(axis_name)
+    wire = lax.bitcast_convert_type(full.astype(jnp.bfloat16), jnp.uint16).reshape(num, -1)
+    got = lax.all_to_all(wire, axis_name, 0, 0, tiled=False)
+    return jnp.sum(lax.bitcast_convert_type(got, jnp.bfloat16).astype(jnp.float32), axis=0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ WeightMode = Literal["qsdp", "comm", "full"]
 Rounding = Literal["stochastic", "nearest"]
 
 WEIGHT_MODES = ("qsdp", "comm", "full")
+WEIGHT_ROUNDINGS = ("shift", "stochastic")
 GRAD_ROUNDINGS = ("stochastic", "nearest")
 FP_COMM_DTYPES = ("float32", "bfloat16")
 
@@ -32,6 +33,12 @@ class QSDPConfig:
         ``"comm"``: full-precision master weights, quantized (round to nearest) only for the
         all-gather, as in ZeRO++; the baseline QSDP has to beat.
         ``"full"``: weights gathered in ``fp_comm_dtype``; requires ``weight_bits=None``.
+      weight_rounding: how ``"qsdp"`` mode projects updated weights onto a fresh grid:
+        ``"shift"`` (the paper's method, the default): round to nearest on a grid shifted by a
+        random fraction of a step per bucket; ``"stochastic"``: unbiased stochastic rounding on
+        the bucket's min/max grid. Both keep the weights on a grid (lossless all-gather) and are
+        unbiased; the shift's noise does not shrink with the update, stochastic rounding's does
+        (see README, "Choosing bits").
       grad_rounding: ``"stochastic"`` (unbiased, the default) or ``"nearest"`` (biased).
       min_shard_size: leaves with fewer elements (per layer, for layer-stacked groups) stay
         full precision and replicated on every device: biases, norm scales.
@@ -46,6 +53,7 @@ class QSDPConfig:
     grad_bits: int | None = 8
     bucket_size: int = 1024
     weight_mode: WeightMode = "qsdp"
+    weight_rounding: str = "shift"
     grad_rounding: Rounding = "stochastic"
     min_shard_size: int = 4096
     seed: int = 0
@@ -59,6 +67,7 @@ class QSDPConfig:
         if self.bucket_size % 8:
             _fail("bucket_size", self.bucket_size, "a multiple of 8 (8 codes pack into whole bytes)")
         _check_choice("weight_mode", self.weight_mode, WEIGHT_MODES)
+        _check_choice("weight_rounding", self.weight_rounding, WEIGHT_ROUNDINGS)
         _check_choice("grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)
         _check_int("min_shard_size", self.min_shard_size, minimum=0)
         _check_int("seed", self.seed, minimum=0)
@@ -80,13 +89,13 @@ class QSDPConfig:
                 f"an integer 1..8 when weight_mode={self.weight_mode!r} (use weight_mode='full' "
                 "for full-precision weights)",
             )
-        if self.weight_mode == "qsdp" and self.weight_bits == 1:
+        if self.weight_mode == "qsdp" and self.weight_rounding == "shift" and self.weight_bits == 1:
             _fail(
                 "weight_bits",
                 1,
-                "2..8 with weight_mode='qsdp': a randomly shifted grid needs one spare level to "
-                "cover the bucket range for every shift, and 2 levels leave none "
-                "(weight_mode='comm' accepts 1)",
+                "2..8 with weight_mode='qsdp' and weight_rounding='shift': a randomly shifted "
+                "grid needs one spare level to cover the bucket range for every shift, and 2 "
+                "levels leave none (weight_rounding='stochastic' or weight_mode='comm' accept 1)",
             )
 
     # --- convenience constructors -------------------------------------------------------------
@@ -121,7 +130,10 @@ class QSDPConfig:
         fp = "F32" if self.fp_comm_dtype == "float32" else "BF16"
         w = f"W{self.weight_bits}" if self.weight_bits is not None else f"W{fp}"
         g = f"G{self.grad_bits}" if self.grad_bits is not None else f"G{fp}"
-        return f"{self.weight_mode}-{w}{g}"
+        mode = self.weight_mode
+        if mode == "qsdp" and self.weight_rounding == "stochastic":
+            mode = "qsdp-sr"
+        return f"{mode}-{w}{g}"
 
 
 def _fail(field: str, value, allowed: str):

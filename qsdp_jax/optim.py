@@ -146,10 +146,11 @@ def _empty():
 
 
 def _project_leaf(x, geo, config, key, ctx):
-    """New shifted grid from the values of ``x``; returns (projected x, scales, offsets)."""
+    """A fresh grid from the values of ``x`` (random shift, or stochastic rounding per
+    ``config.weight_rounding``); returns (projected x, scales, offsets)."""
     rows = _as_rows(x, geo)
     ids = _bucket_ids(geo, config.bucket_size, ctx)
-    qt = qz.quantize(rows, config.weight_bits, config.bucket_size, "shift", key, bucket_ids=ids)
+    qt = qz.quantize(rows, config.weight_bits, config.bucket_size, config.weight_rounding, key, bucket_ids=ids)
     return _from_rows(qt.dequantize(), x, geo), qt.scales, qt.offsets
 
 

@@ -38,6 +38,7 @@ def test_frozen():
         ("bucket_size", 64.0, "integer"),
         ("weight_mode", "zero++", "'qsdp', 'comm', 'full'"),
         ("grad_rounding", "floor", "'stochastic', 'nearest'"),
+        ("weight_rounding", "nearest", "'shift', 'stochastic'"),
         ("min_shard_size", -1, ">= 0"),
         ("seed", -3, ">= 0"),
         ("seed", 2**32, "2**32"),
@@ -62,5 +63,7 @@ def test_mode_bits_consistency():
         QSDPConfig(weight_mode="comm", weight_bits=None)
     with pytest.raises(ValueError, match=r"weight_bits=1.*spare level"):
         QSDPConfig(weight_mode="qsdp", weight_bits=1)
-    # 1-bit weights are allowed when only the all-gather is quantized.
+    # 1-bit weights are allowed when only the all-gather is quantized, or with stochastic rounding.
     assert QSDPConfig(weight_mode="comm", weight_bits=1).weight_bits == 1
+    c = QSDPConfig(weight_bits=1, weight_rounding="stochastic")
+    assert c.name == "qsdp-sr-W1G8"
