@@ -19,6 +19,7 @@ from qsdp_jax.sharding import FlatLayout, make_mesh
 from qsdp_jax.train import (
     ShardedParams,
     TrainState,
+    abstract_train_state,
     gather_params,
     init_train_state,
     make_eval_step,
@@ -34,6 +35,7 @@ __all__ = [
     "QTensor",
     "ShardedParams",
     "TrainState",
+    "abstract_train_state",
     "all_gather_fp",
     "dequantize",
     "gather_params",

@@ -128,10 +128,11 @@ class FlatLayout:
             for i, x in enumerate(leaves):
                 shape = tuple(np.shape(x)[1:] if is_stacked else np.shape(x))
                 size = math.prod(shape)
-                if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) or size < min_shard_size:
+                dtype = _dtype(x)
+                if not jnp.issubdtype(dtype, jnp.floating) or size < min_shard_size:
                     replicated.append(i)
                     continue
-                slots.append(Slot(i, shape, str(jnp.asarray(x).dtype), offset, size))
+                slots.append(Slot(i, shape, str(dtype), offset, size))
                 offset += _round_up(size, bucket)
             flat = _round_up(offset, num_shards * bucket) if slots else 0
             groups.append(
@@ -222,6 +223,11 @@ class FlatLayout:
                 f"{g.name:<14}{g.n_layers:>7}{g.real_size:>12}{g.flat_size:>12}{len(g.replicated):>12}"
             )
         return "\n".join(rows)
+
+
+def _dtype(x) -> np.dtype:
+    """The dtype of an array, a ShapeDtypeStruct or a Python scalar."""
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 def _pad_to(x: jax.Array, n: int) -> jax.Array:

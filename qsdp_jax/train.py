@@ -170,10 +170,45 @@ def init_train_state(
     """
     _check_config(config)
     n = check_mesh(mesh, config.axis_name)
-    axis = config.axis_name
     layout = FlatLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked)
+    flatten = jax.jit(layout.flatten, out_shardings=layout.shardings(mesh, config.axis_name))
+    p, opt_state = _init_fn(layout, optimizer, mesh, config)(flatten(params))
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    return TrainState(step=step, params=p, opt_state=opt_state, layout=layout)
+
+
+def abstract_train_state(
+    params: dict[str, PyTree],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    config: QSDPConfig,
+    *,
+    stacked: Sequence[str] = (),
+) -> TrainState:
+    """A TrainState of ``jax.ShapeDtypeStruct`` (with shardings), allocating nothing.
+
+    ``params`` may itself be abstract (e.g. ``jax.eval_shape`` of an initialiser). Use it to
+    compile a step for a model too large for this machine:
+    ``make_train_step(...).lower(abstract_state, abstract_batch).compile()``.
+    """
+    _check_config(config)
+    n = check_mesh(mesh, config.axis_name)
+    layout = FlatLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked)
+    flat = jax.eval_shape(layout.flatten, params)
+    p, opt_state = jax.eval_shape(_init_fn(layout, optimizer, mesh, config), flat)
+    with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+    p = jax.tree.map(with_sharding, p, layout.shardings(mesh, config.axis_name))
+    stacked_sharding = NamedSharding(mesh, P(config.axis_name))
+    opt_state = jax.tree.map(lambda x: with_sharding(x, stacked_sharding), opt_state)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    return TrainState(step=step, params=p, opt_state=opt_state, layout=layout)
+
+
+def _init_fn(layout: FlatLayout, optimizer, mesh: Mesh, config: QSDPConfig):
+    """Jitted ``flat params -> (params, device-stacked opt_state)``: optimizer init on each
+    device's shards and, in ``"qsdp"`` mode, the projection onto the initial grid."""
+    axis, n = config.axis_name, mesh.shape[config.axis_name]
     specs = layout.specs(axis)
-    flat = jax.jit(layout.flatten, out_shardings=layout.shardings(mesh, axis))(params)
 
     def local_init(p):
         with qoptim.sharding_context(axis, n, _sharded_mask(p)):
@@ -183,13 +218,10 @@ def init_train_state(
                 p = qoptim.snap_to_grid(p, opt_state, config)
         return p, jax.tree.map(lambda x: jnp.asarray(x)[None], opt_state)
 
-    out_specs = (specs, P(axis))  # P(axis) is a prefix: every opt_state leaf
-    init_fn = jax.jit(
-        jax.shard_map(local_init, mesh=mesh, in_specs=(specs,), out_specs=out_specs, check_vma=False)
+    # P(axis) is a prefix for the whole opt_state: every leaf gets a leading device axis.
+    return jax.jit(
+        jax.shard_map(local_init, mesh=mesh, in_specs=(specs,), out_specs=(specs, P(axis)), check_vma=False)
     )
-    p, opt_state = init_fn(flat)
-    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
-    return TrainState(step=step, params=p, opt_state=opt_state, layout=layout)
 
 
 def make_train_step(

