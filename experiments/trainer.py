@@ -38,7 +38,7 @@ class RunConfig:
     batch_size: int = 16
     seq_len: int | None = None  # default: the preset's
     lr: float = 3e-3
-    warmup: int = 30
+    warmup: int | None = None  # None: min(30, steps // 10)
     schedule: str = "cosine"
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
@@ -56,9 +56,11 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name}={v!r} is invalid: must be a positive integer")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len <= 0):
             raise ValueError(f"RunConfig.seq_len={self.seq_len!r} is invalid: must be a positive integer or None")
-        if not (isinstance(self.warmup, int) and 0 <= self.warmup < self.steps):
-            raise ValueError(f"RunConfig.warmup={self.warmup!r} is invalid: must be in [0, steps)")
-        if not (math.isfinite(self.lr) and self.lr > 0):
+        if self.warmup is None:
+            object.__setattr__(self, "warmup", min(30, self.steps // 10))
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or not 0 <= self.warmup < self.steps:
+            raise ValueError(f"RunConfig.warmup={self.warmup!r} is invalid: must be an integer in [0, steps)")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"RunConfig.lr={self.lr!r} is invalid: must be a positive number")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"RunConfig.schedule={self.schedule!r} is invalid: must be one of {SCHEDULES}")
@@ -82,16 +84,21 @@ class RunConfig:
         return d
 
 
-def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
+def make_schedule(run: RunConfig) -> optax.Schedule:
+    """Linear warmup (none if ``warmup == 0``), then cosine decay to ``min_lr_ratio * lr`` or
+    constant."""
+    end = run.lr * run.min_lr_ratio
     if run.schedule == "cosine":
-        lr = optax.warmup_cosine_decay_schedule(
-            0.0, run.lr, max(run.warmup, 1), run.steps, end_value=run.lr * run.min_lr_ratio
-        )
+        decay = optax.cosine_decay_schedule(run.lr, run.steps - run.warmup, alpha=end / run.lr)
     else:
-        lr = optax.join_schedules(
-            [optax.linear_schedule(0.0, run.lr, max(run.warmup, 1)), optax.constant_schedule(run.lr)],
-            [max(run.warmup, 1)],
-        )
+        decay = optax.constant_schedule(run.lr)
+    if run.warmup == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, run.lr, run.warmup), decay], [run.warmup])
+
+
+def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
+    lr = make_schedule(run)
     base = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, b2=0.99, weight_decay=run.weight_decay))
     return optim.qsdp(base, run.qsdp)
 
@@ -112,7 +119,7 @@ class RunResult:
     history: list[StepLog]
     train_loss: float  # mean of the last 10% of steps
     val_loss: float
-    tokens_per_s: float  # after the first (compiling) step
+    tokens_per_s: float  # median step, first step excluded
     wire_bytes_per_step: float
     wire_bytes_by_kind: dict
     n_params: int
@@ -135,6 +142,12 @@ class Trainer:
         self.model = GPT(run.model_config())
         seq = self.model.cfg.seq_len
         ds = textdata.load_dataset(run.data_path, seq_len=seq)
+        needed = run.batch_size * seq + 1
+        if len(ds.val) < needed:
+            raise ValueError(
+                f"the validation split has {len(ds.val)} tokens, one eval batch needs {needed} "
+                f"(batch {run.batch_size} x seq {seq} + 1): use a longer text or a smaller batch"
+            )
         self.dataset = ds
         self.sampler = textdata.BatchSampler(ds.train, run.batch_size, seq, seed=run.seed)
         self.mesh = q.make_mesh(run.qsdp.axis_name, devices)
@@ -187,17 +200,21 @@ def train(run: RunConfig, on_step: Callable[[StepLog], None] | None = None, devi
     """Run ``run`` to the end and summarise it."""
     t_start = time.perf_counter()
     trainer = Trainer(run, devices)
-    report = trainer.wire_report()
+    t_compile = time.perf_counter()
+    report = trainer.wire_report()  # compiles the step ahead of time; the first step reuses it
+    compile_s = time.perf_counter() - t_compile
     history = []
     for log in trainer.steps():
         history.append(log)
         if on_step is not None:
             on_step(log)
-    return summarise(trainer, history, report, time.perf_counter() - t_start)
+    return summarise(trainer, history, report, time.perf_counter() - t_start, compile_s)
 
 
-def summarise(trainer: Trainer, history: list[StepLog], report, wall_s: float) -> RunResult:
+def summarise(trainer: Trainer, history: list[StepLog], report, wall_s: float, compile_s: float) -> RunResult:
     run = trainer.run
+    if not history:
+        raise ValueError(f"nothing to summarise: the state is already at step {run.steps}")
     tail = history[-max(1, len(history) // 10):]
     timed = [h.seconds for h in history[1:]] or [history[0].seconds]
     tokens = run.batch_size * trainer.model.cfg.seq_len
@@ -211,7 +228,7 @@ def summarise(trainer: Trainer, history: list[StepLog], report, wall_s: float) -
         wire_bytes_by_kind={f"{k}/{d}": v for (k, d), v in report.by_kind_dtype().items()},
         n_params=trainer.model.count_params(),
         n_devices=trainer.n_devices,
-        compile_s=history[0].seconds,
+        compile_s=compile_s,
         wall_s=wall_s,
         nonfinite_steps=sum(h.nonfinite for h in history),
     )

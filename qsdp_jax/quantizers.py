@@ -24,9 +24,10 @@ Conventions (shared by the Pallas kernels, the collectives and the optimizer):
   identically in jnp and in Pallas kernels: elements use ``bucket_id * bucket + position`` as
   counter, bucket shifts use ``bucket_id``. Callers pass *global* bucket ids, so the same
   buffer quantizes the same way whether it is sharded over 1 or N devices.
-* Packing: groups of 8 codes of ``b`` bits pack into exactly ``b`` bytes, bit-plane order
-  (byte ``j`` of a group holds bit ``j`` of its 8 codes, code ``k`` at bit ``k``); ``b = 8`` is
-  the identity.
+* Packing: groups of 8 codes of ``b`` bits pack into exactly ``b`` bytes. For ``b`` in 1, 2, 4
+  each byte holds ``8 / b`` whole codes, code ``j`` at bits ``[j*b, (j+1)*b)``; for ``b`` in
+  3, 5, 6, 7 bit-plane order (byte ``j`` of a group holds bit ``j`` of its 8 codes, code ``k``
+  at bit ``k``); ``b = 8`` is the identity.
 """
 
 from __future__ import annotations
@@ -258,12 +259,18 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     if bits == 8:
         return codes
     codes = pad_last(codes, 8)
+    lead = codes.shape[:-1]
+    if 8 % bits == 0:  # 1, 2, 4 bits: whole codes per byte, code j at bits [j*b, (j+1)*b)
+        per = 8 // bits
+        g = codes.reshape(*lead, -1, per)
+        shifts = jnp.arange(per, dtype=jnp.uint8) * jnp.uint8(bits)
+        return jnp.sum(g << shifts, axis=-1, dtype=jnp.uint8)
     m = codes.shape[-1] // 8
-    g = codes.reshape(*codes.shape[:-1], m, 8, 1)
+    g = codes.reshape(*lead, m, 8, 1)
     planes = (g >> jnp.arange(bits, dtype=jnp.uint8)) & jnp.uint8(1)  # (..., m, 8, bits)
     weights = (jnp.uint8(1) << jnp.arange(8, dtype=jnp.uint8))[:, None]  # code k -> bit k
     packed = jnp.sum(planes * weights, axis=-2, dtype=jnp.uint8)  # (..., m, bits)
-    return packed.reshape(*codes.shape[:-1], m * bits)
+    return packed.reshape(*lead, m * bits)
 
 
 def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
@@ -275,12 +282,18 @@ def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
         )
     if bits == 8:
         return packed
+    lead = packed.shape[:-1]
+    if 8 % bits == 0:
+        per = 8 // bits
+        shifts = jnp.arange(per, dtype=jnp.uint8) * jnp.uint8(bits)
+        codes = (packed[..., None] >> shifts) & jnp.uint8((1 << bits) - 1)
+        return codes.reshape(*lead, -1)[..., :n]
     m = packed.shape[-1] // bits
-    g = packed.reshape(*packed.shape[:-1], m, 1, bits)
+    g = packed.reshape(*lead, m, 1, bits)
     bitsk = (g >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & jnp.uint8(1)  # (..., m, 8, bits)
     weights = jnp.uint8(1) << jnp.arange(bits, dtype=jnp.uint8)  # plane j -> bit j of the code
     codes = jnp.sum(bitsk * weights, axis=-1, dtype=jnp.uint8)
-    return codes.reshape(*packed.shape[:-1], m * 8)[..., :n]
+    return codes.reshape(*lead, m * 8)[..., :n]
 
 
 def wire_bytes_per_element(bits: int, bucket: int) -> float:

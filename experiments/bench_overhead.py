@@ -1,0 +1,158 @@
+"""What quantization costs in compute and compile time, with no bandwidth limit.
+
+    python -m experiments.bench_overhead [--preset small] [--repeats 20] [--compiles 3]
+
+On 8 simulated CPU devices in one process, for one GPT preset, measures alternately (so that
+load drift hits every config alike):
+
+* the median train-step time of QSDP W8G8 and W4G4 and of fp32 FSDP (warm-up excluded);
+* the compile time of each step (a fresh ``make_train_step`` each time, so nothing is cached),
+  repeated ``--compiles`` times in rotation, median.
+
+Targets (DESIGN.md section 5): step-time ratio QSDP/fp32 <= 1.15 and compile-time ratio
+<= 1.5. On simulated devices the "collectives" are memory copies inside one process, so smaller
+payloads can make the quantized step *faster* than fp32: the ratio bounds the compute cost of
+quantizing, it is not a network speedup. Writes ``experiments/results/overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+TARGET_STEP_RATIO = 1.15
+TARGET_COMPILE_RATIO = 1.5
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compiles", type=int, default=3)
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    for name in ("batch", "repeats", "compiles", "devices"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    )
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import qsdp_jax as q
+    from experiments.gpt import GPT, GPTConfig
+    from experiments.timing import format_results, time_alternating
+
+    overrides = {} if args.seq_len is None else {"seq_len": args.seq_len}
+    model = GPT(GPTConfig.from_preset(args.preset, **overrides))
+    seq = model.cfg.seq_len
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, size=(args.batch, seq + 1))
+    batch = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
+    mesh = q.make_mesh()
+    params = model.init_params(0)
+    configs = {
+        "fp32": q.QSDPConfig.fp32(),
+        "qsdp-W8G8": q.QSDPConfig.qsdp(8, 8),
+        "qsdp-W4G4": q.QSDPConfig.qsdp(4, 4),
+    }
+    optimizers = {k: q.optim.qsdp(optax.adam(1e-4), c) for k, c in configs.items()}
+    states = {
+        k: q.init_train_state(params, optimizers[k], mesh, c, stacked=model.stacked_groups)
+        for k, c in configs.items()
+    }
+
+    # compile time: fresh jitted steps, compiled in rotation
+    compile_s = {k: [] for k in configs}
+    names = list(configs)
+    for r in range(args.compiles):
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            step = q.make_train_step(model.loss, optimizers[k], mesh, configs[k])
+            t0 = time.perf_counter()
+            step.lower(states[k], batch).compile()
+            compile_s[k].append(time.perf_counter() - t0)
+
+    # step time: alternate, carrying each config's state through its own calls
+    steps = {k: q.make_train_step(model.loss, optimizers[k], mesh, c) for k, c in configs.items()}
+
+    def runner(k):
+        def call():
+            states[k], metrics = steps[k](states[k], batch)
+            return metrics
+
+        return call
+
+    results = time_alternating({k: runner(k) for k in configs}, repeats=args.repeats, warmup=args.warmup,
+                               sync=jax.block_until_ready)
+    med = {k: results[k].median for k in configs}
+    comp = {k: float(np.median(v)) for k, v in compile_s.items()}
+    rows = []
+    for k in configs:
+        rows.append({
+            "config": k,
+            "step_median_s": med[k],
+            "step_iqr_s": results[k].iqr,
+            "step_samples_s": list(results[k].samples),
+            "compile_median_s": comp[k],
+            "compile_samples_s": compile_s[k],
+            "step_ratio_vs_fp32": med[k] / med["fp32"],
+            "compile_ratio_vs_fp32": comp[k] / comp["fp32"],
+        })
+    out = {
+        "command": "python -m experiments.bench_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
+        "preset": args.preset,
+        "n_params": model.count_params(),
+        "batch": args.batch,
+        "seq_len": seq,
+        "n_devices": jax.device_count(),
+        "platform": f"{platform.machine()} {os.cpu_count()} cpus, jax {jax.__version__} ({jax.default_backend()})",
+        "targets": {"step_ratio": TARGET_STEP_RATIO, "compile_ratio": TARGET_COMPILE_RATIO},
+        "note": "simulated devices: collectives are in-process copies; ratios bound the compute cost of quantizing",
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overhead.json").write_text(json.dumps(out, indent=1))
+    print(format_results(results))
+    print(table(out))
+    return 0
+
+
+def table(out: dict) -> str:
+    lines = [
+        f"{out['preset']} preset ({out['n_params'] / 1e6:.2f}M params), batch {out['batch']}x{out['seq_len']}, "
+        f"{out['n_devices']} simulated devices",
+        f"{'config':<12}{'step ms':>10}{'x fp32':>9}{'compile s':>12}{'x fp32':>9}",
+    ]
+    for r in out["rows"]:
+        ok_s = "" if r["step_ratio_vs_fp32"] <= out["targets"]["step_ratio"] else " (over target)"
+        ok_c = "" if r["compile_ratio_vs_fp32"] <= out["targets"]["compile_ratio"] else " (over target)"
+        lines.append(
+            f"{r['config']:<12}{1e3 * r['step_median_s']:>10.1f}{r['step_ratio_vs_fp32']:>9.3f}"
+            f"{r['compile_median_s']:>12.2f}{r['compile_ratio_vs_fp32']:>9.3f}{ok_s}{ok_c}"
+        )
+    lines.append(
+        f"targets: step ratio <= {out['targets']['step_ratio']}, compile ratio <= {out['targets']['compile_ratio']}"
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
