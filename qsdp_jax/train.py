@@ -168,9 +168,7 @@ def init_train_state(
       params: a dict of groups (see ``qsdp_jax.access``).
       stacked: the groups whose leaves carry a leading layer axis (read with ``scan``).
     """
-    _check_config(config)
-    n = check_mesh(mesh, config.axis_name)
-    layout = FlatLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked)
+    layout = _layout(params, mesh, config, stacked)
     flatten = jax.jit(layout.flatten, out_shardings=layout.shardings(mesh, config.axis_name))
     p, opt_state = _init_fn(layout, optimizer, mesh, config)(flatten(params))
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
@@ -191,9 +189,7 @@ def abstract_train_state(
     compile a step for a model too large for this machine:
     ``make_train_step(...).lower(abstract_state, abstract_batch).compile()``.
     """
-    _check_config(config)
-    n = check_mesh(mesh, config.axis_name)
-    layout = FlatLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked)
+    layout = _layout(params, mesh, config, stacked)
     flat = jax.eval_shape(layout.flatten, params)
     p, opt_state = jax.eval_shape(_init_fn(layout, optimizer, mesh, config), flat)
     with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
@@ -202,6 +198,12 @@ def abstract_train_state(
     opt_state = jax.tree.map(lambda x: with_sharding(x, stacked_sharding), opt_state)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     return TrainState(step=step, params=p, opt_state=opt_state, layout=layout)
+
+
+def _layout(params, mesh: Mesh, config: QSDPConfig, stacked: Sequence[str]) -> FlatLayout:
+    _check_config(config)
+    n = check_mesh(mesh, config.axis_name)
+    return FlatLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked)
 
 
 def _init_fn(layout: FlatLayout, optimizer, mesh: Mesh, config: QSDPConfig):

@@ -146,6 +146,10 @@ def test_assemble_results_speedups_and_schema():
     assert bw100["shaper_bytes_per_step"] == 40e6
     assert bw100["ideal_comm_s"] == pytest.approx(40e6 * 8 / 100e6)
     assert bw100["comm_share_est"] == pytest.approx(1 - 0.4 / 3.0)
+    assert bw100["serial_est_s"] == pytest.approx(3.2 + 0.4)
+    w4 = doc["bandwidths"][0]["configs"]["qsdp-W4G4"]
+    assert w4["serial_est_s"] == pytest.approx(5e6 * 8 / 100e6 + 0.8)
+    assert w4["serial_est_speedup_vs_fp32"] == pytest.approx(3.6 / (0.4 + 0.8))
     assert doc["bandwidths"][1]["error"].startswith("WorkerError")
 
     t = doc["targets"]
@@ -157,6 +161,7 @@ def test_assemble_results_speedups_and_schema():
     table = bn.format_table(doc)
     assert "100 Mbit/s" in table and "unshaped" in table and "FAILED" in table
     assert "3.00x" in table and "4.00x" in table and "20.00" in table  # MB/step of fp32
+    assert "no-overlap estimate" in table and "tbf banks tokens" in table
 
 
 def test_targets_not_met_and_unshaped_only():
