@@ -481,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for bw in bws:
             print(f"[bench_network] {_bw_label(bw)}: starting {args.num_processes} processes "
-                  f"({'no namespace' if args.no_netns else 'shaped namespace'})...", flush=True)
+                  f"({'no namespace' if args.no_netns else 'in a network namespace'})...", flush=True)
             try:
                 m = _measure(bw, args, kwargs)
             except Exception as e:  # noqa: BLE001 - WorkerError, NetnsError: record, go on
