@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from experiments.devices import simulate_cpu_devices
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 DEFAULT_PRESETS = ("tiny", "small", "medium")
@@ -269,10 +270,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    simulate_cpu_devices(args.devices)
     import jax  # noqa: F401  (after XLA_FLAGS)
 
     for s in args.schemes:

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.devices import simulate_cpu_devices
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 TARGET_STEP_RATIO = 1.15
 TARGET_COMPILE_RATIO = 1.5
@@ -49,9 +51,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-    )
+    simulate_cpu_devices(args.devices)
     import jax
     import jax.numpy as jnp
     import numpy as np

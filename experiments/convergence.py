@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
+
+from experiments.devices import simulate_cpu_devices
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -61,9 +62,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-    )
+    simulate_cpu_devices(args.devices)
     import qsdp_jax as q  # after XLA_FLAGS
     from experiments.trainer import RunConfig, train
 

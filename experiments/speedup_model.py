@@ -88,6 +88,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from experiments.devices import simulate_cpu_devices
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 DEFAULT_MODELS = ("gpt-125m", "gpt-350m", "gpt-1.3b")
 DEFAULT_SCHEMES = ("fp32", "bf16", "qsdp-W8G8", "qsdp-W6G6", "qsdp-W4G8", "qsdp-W4G4")
@@ -482,10 +484,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    simulate_cpu_devices(args.devices)
     t0 = time.perf_counter()
     rate = args.peak_tflops * 1e12 * args.mfu
     measured = measure_models(args.models, args.schemes, args.devices, args.bucket)

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import re
 import sys
 import time
 from pathlib import Path
+
+from experiments.devices import simulate_cpu_devices
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = REPO_ROOT / "runs"
@@ -192,21 +192,6 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Devices
-
-
-_DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
-
-
-def setup_devices(n: int) -> None:
-    """Ask for ``n`` simulated CPU devices, before jax is imported; afterwards, check the count.
-
-    Once jax is imported its device count is fixed: asking for more than it has is an error,
-    asking for fewer selects the first ``n`` (see :func:`select_devices`).
-    """
-    if "jax" not in sys.modules:
-        flags = _DEVICE_FLAG.sub("", os.environ.get("XLA_FLAGS", ""))
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def select_devices(n: int):
@@ -402,7 +387,7 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
         )
     if args.out is not None:
         check_out_dir(Path(args.out), args.overwrite)  # before the (slow) jax import
-    setup_devices(args.devices)
+    simulate_cpu_devices(args.devices)
     devices = select_devices(args.devices)
     cfg, run = build_run_config(args)
     out = Path(args.out) if args.out is not None else default_out(args.preset, cfg.name)

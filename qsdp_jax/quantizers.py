@@ -254,7 +254,6 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     A tail of fewer than 8 codes is padded with zero codes (dropped again by unpack_bits).
     """
     _check_bits(bits)
-    n = codes.shape[-1]
     codes = codes.astype(jnp.uint8)
     if bits == 8:
         return codes

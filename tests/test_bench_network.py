@@ -4,7 +4,6 @@ In-process pieces run on the 8 simulated devices of the test session; one end-to
 through 2 real jax.distributed processes without a namespace (tiny model, 2 timed repeats).
 """
 import json
-import math
 
 import pytest
 

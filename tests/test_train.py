@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import qsdp_jax as q
 import toymodel
