@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
 import sys
 import time
@@ -66,23 +65,13 @@ BF16_NOTE = (
 # ----------------------------------------------------------------------------------------------
 # Schemes and the analytic formula (pure)
 # ----------------------------------------------------------------------------------------------
-_QSDP_RE = re.compile(r"^(?:qsdp-)?W(\d)G(\d)$")
 
 
 def scheme_config(name: str, bucket: int = 1024):
-    """The QSDPConfig of a scheme name: ``fp32``, ``bf16`` or ``[qsdp-]W<w>G<g>``."""
+    """The QSDPConfig of a scheme name (``fp32``, ``bf16``, ``qsdp-W8G8``, ``W2G4``...)."""
     from qsdp_jax.config import QSDPConfig
 
-    if name == "fp32":
-        return QSDPConfig.fp32(bucket_size=bucket)
-    if name == "bf16":
-        return QSDPConfig.bf16(bucket_size=bucket)
-    m = _QSDP_RE.match(name)
-    if not m:
-        raise ValueError(
-            f"unknown scheme {name!r}: use 'fp32', 'bf16' or 'qsdp-W<w>G<g>' (e.g. qsdp-W8G8)"
-        )
-    return QSDPConfig.qsdp(int(m.group(1)), int(m.group(2)), bucket_size=bucket)
+    return QSDPConfig.from_name(name, bucket_size=bucket)
 
 
 def wire_bytes_per_element(bits: int | None, fp_dtype: str, bucket: int) -> float:

@@ -56,16 +56,7 @@ def qsdp_config(name: str, *, seed: int = 0):
     """The ``QSDPConfig`` of a benchmark config name (``fp32``, ``bf16``, ``qsdp-WxGy``)."""
     from qsdp_jax.config import QSDPConfig
 
-    if name == "fp32":
-        return QSDPConfig.fp32(seed=seed)
-    if name == "bf16":
-        return QSDPConfig.bf16(seed=seed)
-    import re
-
-    m = re.fullmatch(r"qsdp-W(\d)G(\d)", name)
-    if m:
-        return QSDPConfig.qsdp(weight_bits=int(m.group(1)), grad_bits=int(m.group(2)), seed=seed)
-    raise ValueError(f"unknown config {name!r}: use fp32, bf16 or qsdp-W<bits>G<bits> (e.g. {CONFIG_NAMES})")
+    return QSDPConfig.from_name(name, seed=seed)
 
 
 def gpt_config(model: Mapping[str, int]):

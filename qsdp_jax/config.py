@@ -7,6 +7,7 @@ field, the value it got and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal
 
 WeightMode = Literal["qsdp", "comm", "full"]
@@ -114,6 +115,34 @@ class QSDPConfig:
         """QSDP: weights kept on a shifted grid, quantized gradients."""
         return cls(weight_bits=weight_bits, grad_bits=grad_bits, weight_mode="qsdp", **kw)
 
+    @classmethod
+    def from_name(cls, name: str, **kw) -> "QSDPConfig":
+        """The config a :attr:`name` stands for: ``fp32``, ``bf16``, ``qsdp-W8G8``,
+        ``qsdp-sr-W4G4``, ``comm-W4GF32``, ``full-WF32G8``, or bare ``W8G8`` (QSDP)."""
+        if name == "fp32":
+            return cls.fp32(**kw)
+        if name == "bf16":
+            return cls.bf16(**kw)
+        m = _NAME.fullmatch(name)
+        if m is None:
+            raise ValueError(
+                f"unknown config name {name!r}: use fp32, bf16 or <mode>-W<bits>G<bits> with mode "
+                "qsdp, qsdp-sr, comm or full and bits 1..8, F32 or BF16 (e.g. qsdp-W8G8, comm-W4G4)"
+            )
+        mode, w, g = m.group(1) or "qsdp", m.group(2), m.group(3)
+        fp = {x for x in (w, g) if not x.isdigit()}
+        if len(fp) > 1:
+            raise ValueError(f"config name {name!r} mixes F32 and BF16")
+        fields = dict(
+            weight_mode="qsdp" if mode == "qsdp-sr" else mode,
+            weight_bits=int(w) if w.isdigit() else None,
+            grad_bits=int(g) if g.isdigit() else None,
+            fp_comm_dtype="bfloat16" if fp == {"BF16"} else "float32",
+        )
+        if mode == "qsdp-sr":
+            fields["weight_rounding"] = "stochastic"
+        return cls(**{**fields, **kw})
+
     @property
     def quantizes_weights(self) -> bool:
         return self.weight_bits is not None
@@ -134,6 +163,9 @@ class QSDPConfig:
         if mode == "qsdp" and self.weight_rounding == "stochastic":
             mode = "qsdp-sr"
         return f"{mode}-{w}{g}"
+
+
+_NAME = re.compile(r"(?:(qsdp-sr|qsdp|comm|full)-)?W([1-8]|F32|BF16)G([1-8]|F32|BF16)")
 
 
 def _fail(field: str, value, allowed: str):

@@ -67,3 +67,24 @@ def test_mode_bits_consistency():
     assert QSDPConfig(weight_mode="comm", weight_bits=1).weight_bits == 1
     c = QSDPConfig(weight_bits=1, weight_rounding="stochastic")
     assert c.name == "qsdp-sr-W1G8"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [QSDPConfig.fp32(), QSDPConfig.bf16(), QSDPConfig.qsdp(8, 8), QSDPConfig.qsdp(2, 4),
+     QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=None),
+     QSDPConfig(weight_bits=4, grad_bits=4, weight_rounding="stochastic"),
+     QSDPConfig(weight_mode="full", weight_bits=None, grad_bits=8, fp_comm_dtype="bfloat16")],
+    ids=lambda c: c.name,
+)
+def test_from_name_inverts_name(config):
+    assert QSDPConfig.from_name(config.name) == config
+
+
+def test_from_name_errors_and_shorthand():
+    assert QSDPConfig.from_name("W4G8", bucket_size=256) == QSDPConfig.qsdp(4, 8, bucket_size=256)
+    for bad in ("int8", "qsdp-W9G8", "qsdp-W8", "zero-W8G8"):
+        with pytest.raises(ValueError, match="unknown config name"):
+            QSDPConfig.from_name(bad)
+    with pytest.raises(ValueError, match="mixes"):
+        QSDPConfig.from_name("full-WF32GBF16")
