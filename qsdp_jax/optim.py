@@ -160,7 +160,10 @@ def _snap_leaf(x, scales, offsets, geo, config):
     return _from_rows(qt.dequantize(), x, geo)
 
 
-def _all_finite(tree: PyTree, ctx: ShardContext | None) -> jax.Array:
+def all_finite(tree: PyTree) -> jax.Array:
+    """True when every float in ``tree`` is finite; inside :func:`sharding_context`, on every
+    device of the axis (the same answer everywhere)."""
+    ctx = _CONTEXT.get()
     bad = sum(
         jnp.sum(~jnp.isfinite(x)).astype(jnp.int32)
         for x in jax.tree_util.tree_leaves(tree)
@@ -214,7 +217,7 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
         ctx = _CONTEXT.get()
         if projecting and params is None:
             raise ValueError("qsdp_jax.optim.qsdp needs params in update() to project onto the grid")
-        finite = _all_finite(updates, ctx)
+        finite = all_finite(updates)
         inner_updates, inner_state = base.update(updates, state.inner, params, **extra_args)
         count = state.count + 1
         scales, offsets = state.scales, state.offsets

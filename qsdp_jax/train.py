@@ -269,7 +269,7 @@ def make_train_step(
         }
         mask = _sharded_mask(params)
         with qoptim.sharding_context(axis, n, mask):
-            finite = qoptim._all_finite(grads, qoptim._CONTEXT.get())
+            finite = qoptim.all_finite(grads)
             updates, new_opt = optimizer.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
             if config.weight_mode == "qsdp":
