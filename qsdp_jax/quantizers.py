@@ -293,8 +293,3 @@ def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
     weights = jnp.uint8(1) << jnp.arange(bits, dtype=jnp.uint8)  # plane j -> bit j of the code
     codes = jnp.sum(bitsk * weights, axis=-1, dtype=jnp.uint8)
     return codes.reshape(*lead, m * 8)[..., :n]
-
-
-def wire_bytes_per_element(bits: int, bucket: int) -> float:
-    """Bytes per element of a packed QTensor with float32 scale and offset per bucket."""
-    return bits / 8 + 8 / bucket
