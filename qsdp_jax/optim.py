@@ -154,6 +154,26 @@ def _project_leaf(x, geo, config, key, ctx):
     return _from_rows(qt.dequantize(), x, geo), qt.scales, qt.offsets
 
 
+def _project_leaves(values, mask, count, config, ctx, old_scales, old_offsets):
+    """Project each masked leaf onto a fresh grid keyed by (seed, count, leaf index).
+
+    Returns (projected values, None where unmasked; scales; offsets, the old ones where
+    unmasked)."""
+    out_v, out_s, out_o = [], [], []
+    for i, (x, m) in enumerate(zip(values, mask)):
+        if not m:
+            out_v.append(None)
+            out_s.append(old_scales[i])
+            out_o.append(old_offsets[i])
+            continue
+        key = qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i)
+        v, sc, off = _project_leaf(x, _geometry(x, ctx is not None, config.bucket_size), config, key, ctx)
+        out_v.append(v)
+        out_s.append(sc)
+        out_o.append(off)
+    return out_v, out_s, out_o
+
+
 def _snap_leaf(x, scales, offsets, geo, config):
     rows = _as_rows(x, geo)
     qt = qz.quantize_on_grid(rows, scales, offsets, config.weight_bits, config.bucket_size)
@@ -194,16 +214,8 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
         leaves, treedef = jax.tree_util.tree_flatten(params)
         mask = _mask_for(params, config, ctx) if projecting else [False] * len(leaves)
         count = jnp.zeros((), jnp.int32)
-        scales, offsets = [], []
-        for i, (x, m) in enumerate(zip(leaves, mask)):
-            if not m:
-                scales.append(_empty())
-                offsets.append(_empty())
-                continue
-            key = qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i)
-            _, s, o = _project_leaf(x, _geometry(x, ctx is not None, config.bucket_size), config, key, ctx)
-            scales.append(s)
-            offsets.append(o)
+        empty = [_empty()] * len(leaves)
+        _, scales, offsets = _project_leaves(leaves, mask, count, config, ctx, empty, empty)
         return QSDPState(
             count=count,
             scales=jax.tree_util.tree_unflatten(treedef, scales),
@@ -223,23 +235,13 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
         scales, offsets = state.scales, state.offsets
         if projecting:
             leaves, treedef = jax.tree_util.tree_flatten(params)
-            u_leaves = treedef.flatten_up_to(inner_updates)
-            mask = _mask_for(params, config, ctx)
-            new_u, new_s, new_o = [], [], []
-            s_leaves = treedef.flatten_up_to(state.scales)
-            o_leaves = treedef.flatten_up_to(state.offsets)
-            for i, (p, u, m) in enumerate(zip(leaves, u_leaves, mask)):
-                if not m:
-                    new_u.append(u)
-                    new_s.append(s_leaves[i])
-                    new_o.append(o_leaves[i])
-                    continue
-                key = qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i)
-                geo = _geometry(p, ctx is not None, config.bucket_size)
-                proj, s, o = _project_leaf(p + u.astype(p.dtype), geo, config, key, ctx)
-                new_u.append(proj - p)
-                new_s.append(s)
-                new_o.append(o)
+            moved = [p + u.astype(p.dtype) for p, u in zip(leaves, treedef.flatten_up_to(inner_updates))]
+            proj, new_s, new_o = _project_leaves(
+                moved, _mask_for(params, config, ctx), count, config, ctx,
+                treedef.flatten_up_to(state.scales), treedef.flatten_up_to(state.offsets),
+            )
+            new_u = [u if v is None else v - p
+                     for p, u, v in zip(leaves, treedef.flatten_up_to(inner_updates), proj)]
             inner_updates = jax.tree_util.tree_unflatten(treedef, new_u)
             scales = jax.tree_util.tree_unflatten(treedef, new_s)
             offsets = jax.tree_util.tree_unflatten(treedef, new_o)
