@@ -5,7 +5,9 @@
 On 8 simulated CPU devices in one process, for one GPT preset, measures alternately (so that
 load drift hits every config alike):
 
-* the median train-step time of QSDP W8G8 and W4G4 and of fp32 FSDP (warm-up excluded);
+* the median train-step time of QSDP W8G8 and W4G4 and of fp32 FSDP (warm-up excluded), and of
+  QSDP with only the weights quantized (W8GF32) or only the gradients (WF32G8), which splits
+  the overhead between the two paths;
 * the compile time of each step (a fresh ``make_train_step`` each time, so nothing is cached),
   repeated ``--compiles`` times in rotation, median.
 
@@ -69,11 +71,9 @@ def main(argv=None) -> int:
     batch = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
     mesh = q.make_mesh()
     params = model.init_params(0)
-    configs = {
-        "fp32": q.QSDPConfig.fp32(),
-        "qsdp-W8G8": q.QSDPConfig.qsdp(8, 8),
-        "qsdp-W4G4": q.QSDPConfig.qsdp(4, 4),
-    }
+    # W8GF32 and WF32G8 split the cost between the weight path and the gradient path
+    names = ("fp32", "qsdp-W8G8", "qsdp-W4G4", "qsdp-W8GF32", "full-WF32G8")
+    configs = {name: q.QSDPConfig.from_name(name) for name in names}
     optimizers = {k: q.optim.qsdp(optax.adam(1e-4), c) for k, c in configs.items()}
     states = {
         k: q.init_train_state(params, optimizers[k], mesh, c, stacked=model.stacked_groups)
