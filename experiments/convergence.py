@@ -5,7 +5,7 @@
 Trains one GPT under: fp32 FSDP (3 seeds: the seed-to-seed spread), bf16 communication, QSDP
 W8G8 / W6G6 / W4G4 (weights on the randomly shifted grid, the paper's method), QSDP W8G8 and
 W4G4 with stochastic weight rounding, QSDP W8 weights with fp32 gradients (to separate the two
-quantizers' effects), and the ``"comm"`` weight mode (ZeRO++-style: quantize only for the
+quantizers' effects), QSDP W8G8 with 256-element buckets (4x more scales), and the ``"comm"`` weight mode (ZeRO++-style: quantize only for the
 all-gather) at 8 and 4 bits. Every quantized run uses the first fp32 run's seed (same initial
 weights, same data order), so each gap is a paired comparison.
 
@@ -43,6 +43,7 @@ def runs(seed: int = 0) -> list[tuple[str, dict]]:
         ("qsdp-sr-W4G4", dict(weight_bits=4, grad_bits=4, weight_rounding="stochastic", seed=seed)),
         ("qsdp-sr-W8G8", dict(weight_bits=8, grad_bits=8, weight_rounding="stochastic", seed=seed)),
         ("qsdp-W8GF32", dict(weight_bits=8, grad_bits=None, seed=seed)),
+        ("qsdp-W8G8-b256", dict(weight_bits=8, grad_bits=8, bucket_size=256, seed=seed)),
     ]
 
 
