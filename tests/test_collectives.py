@@ -43,6 +43,52 @@ def test_payload_roundtrip():
         chex.assert_trees_all_equal(back.dequantize(), qt.dequantize())
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9])
+def test_sum_rows_is_the_sum_over_the_leading_axis(n):
+    x = jnp.asarray(np.random.default_rng(n).normal(size=(n, 5, 6)), jnp.float32)
+    np.testing.assert_allclose(qc.sum_rows(x), np.asarray(x, np.float64).sum(0), rtol=1e-6, atol=1e-6)
+    # integers: exact
+    i = jnp.arange(n * 4, dtype=jnp.int32).reshape(n, 4)
+    chex.assert_trees_all_equal(qc.sum_rows(i), jnp.sum(i, axis=0))
+
+
+CPU_ONLY = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU-specific lowering")
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("bits,boundary", [(4, True), (3, True), (8, False)])
+def test_packed_codes_get_a_fusion_boundary_on_cpu(mesh, bits, boundary):
+    """The boundary is what keeps the quantizer out of the packing loop (2x on CPU): it must
+    be in the compiled reduce-scatter for packed codes, and absent for 8 bits."""
+    f = _smap(mesh, lambda x: qc.quantized_reduce_scatter(
+        x, bits=bits, bucket=BUCKET, axis_name=AXIS, key=jnp.uint32(1)), P(AXIS), P(AXIS))
+    hlo = f.lower(jax.ShapeDtypeStruct((N * N * BUCKET,), jnp.float32)).compile().as_text()
+    assert ("conditional(" in hlo) == boundary
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_non_finite_gradients_stay_non_finite_through_the_reduce_scatter(mesh, bits):
+    full = np.stack([np.asarray(_weights(seed=60 + i)) for i in range(N)])
+    chunk = full.shape[1] // N
+    full[3, 5] = np.nan  # sender 3 -> device 0, bucket 0
+    full[5, 2 * chunk + BUCKET + 1] = np.inf  # sender 5 -> device 2, bucket 1
+    got = np.asarray(_quantized_rs(mesh, jnp.asarray(full), bits, [7])[0]).reshape(N, -1, BUCKET)
+    assert not np.isfinite(got[0, 0]).any() and not np.isfinite(got[2, 1]).any()
+    # devices that received only finite payloads are untouched
+    assert all(np.isfinite(got[d]).all() for d in range(N) if d not in (0, 2))
+
+
+@CPU_ONLY
+def test_codes_of_a_non_finite_tensor_are_zero_on_cpu():
+    x = np.array(_weights(2 * BUCKET))
+    x[3] = np.nan
+    qt = qz.quantize(jnp.asarray(x), 4, BUCKET, "nearest")
+    payload = np.asarray(qc.to_payload(qt))
+    assert not payload[: qz.packed_size(x.size, 4)].any()
+    back = qc.from_payload(jnp.asarray(payload), x.size, 4, BUCKET).dequantize()
+    assert not np.isfinite(np.asarray(back)[:BUCKET]).any()
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_gather_on_grid_is_lossless_on_every_device(mesh, bits):
     """Invariant 2 at the collective level: shards on their grid gather bit for bit."""

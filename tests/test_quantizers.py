@@ -92,6 +92,10 @@ def test_constant_bucket_is_exact():
         qt = qz.quantize(x, 4, BUCKET, rounding, key=qz.derive_key(1))
         chex.assert_trees_all_equal(qt.dequantize(), x)
         assert float(qt.scales[0]) == 0.0
+        assert int(qt.codes.max()) == 0
+    # on a zero-scale grid every value maps to code 0 (the grid has one point)
+    on = qz.quantize_on_grid(x + 1.0, qt.scales, qt.offsets, 4, BUCKET)
+    assert int(on.codes.max()) == 0
 
 
 def test_grid_roundtrip_is_bit_exact():
@@ -131,6 +135,44 @@ def test_pack_roundtrip(bits, n):
     assert packed.dtype == jnp.uint8
     assert packed.shape == (3, n if bits == 8 else -(-n // 8) * bits)
     chex.assert_trees_all_equal(qz.unpack_bits(packed, bits, n), codes)
+
+
+def _pack_reference(codes: np.ndarray, bits: int) -> np.ndarray:
+    """The documented layout, bit by bit in numpy (see the quantizers module docstring)."""
+    if bits == 8:
+        return codes.astype(np.uint8)
+    n = codes.shape[-1]
+    c = np.zeros(codes.shape[:-1] + (-(-n // 8) * 8,), np.uint8)
+    c[..., :n] = codes
+    groups = c.reshape(*c.shape[:-1], -1, 8).astype(np.int64)
+    out = np.zeros(groups.shape[:-1] + (bits,), np.int64)
+    for k in range(8):  # code k of a group
+        for j in range(bits):  # bit j of that code
+            bit = (groups[..., k] >> j) & 1
+            if 8 % bits == 0:  # whole codes: code k in byte k*bits//8 at bits [(k*bits)%8, ...)
+                pos = k * bits + j
+            else:  # bit planes: byte j holds bit j of code k at bit k
+                pos = j * 8 + k
+            out[..., pos // 8] |= bit << (pos % 8)
+    return out.reshape(*codes.shape[:-1], -1).astype(np.uint8)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_layout_matches_the_bitwise_reference(bits):
+    codes = np.random.default_rng(bits).integers(0, 2**bits, size=(2, 3, 37)).astype(np.uint8)
+    got = np.asarray(qz.pack_bits(jnp.asarray(codes), bits))
+    np.testing.assert_array_equal(got, _pack_reference(codes, bits))
+
+
+def test_bucket_range_is_min_and_max_and_propagates_nan():
+    x = _data()
+    xb = x.reshape(-1, BUCKET)
+    lo, hi = qz.bucket_range(xb)
+    chex.assert_trees_all_equal((lo, hi), (jnp.min(xb, -1), jnp.max(xb, -1)))
+    xb = xb.at[1, 5].set(jnp.nan).at[2, 0].set(jnp.inf)
+    lo, hi = qz.bucket_range(xb)
+    assert np.isnan(lo[1]) and np.isnan(hi[1]) and hi[2] == np.inf
+    assert np.isfinite(lo[0]) and np.isfinite(hi[3])
 
 
 def test_pack_size_is_exact_and_layout_is_bit_planes():

@@ -77,6 +77,30 @@ def test_flatten_unflatten_roundtrip_and_sharding():
     chex.assert_trees_all_equal(layer, jax.tree.map(lambda x: x[1], params["blocks"]))
 
 
+@pytest.mark.parametrize("lead", [(), (3,)])
+def test_split_flat_gradient_matches_slicing_and_is_one_concatenation(lead):
+    from qsdp_jax.sharding import split_flat
+
+    spans = ((0, 5), (8, 3), (16, 10))  # gaps between pieces and after the last
+    flat = jnp.asarray(np.random.default_rng(1).normal(size=(*lead, 32)), jnp.float32)
+    w = [jnp.asarray(np.random.default_rng(i).normal(size=(*lead, n)), jnp.float32) for i, (_, n) in enumerate(spans)]
+
+    def loss(split):
+        return lambda f: sum(jnp.sum(jnp.sin(x) * wi) for x, wi in zip(split(f), w))
+
+    def sliced(f):
+        return tuple(f[..., o : o + n] for o, n in spans)
+
+    got = jax.grad(loss(lambda f: split_flat(f, spans)))(flat)
+    chex.assert_trees_all_close(got, jax.grad(loss(sliced))(flat), rtol=1e-6)
+    assert not np.asarray(got)[..., 5:8].any() and not np.asarray(got)[..., 26:].any()
+    chex.assert_trees_all_equal(split_flat(flat, spans), sliced(flat))
+    # the transpose of slicing pads every piece to the whole buffer; ours concatenates once
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss(lambda f: split_flat(f, spans))))(flat))
+    assert " pad[" not in jaxpr and "concatenate" in jaxpr
+    assert " pad[" in str(jax.make_jaxpr(jax.grad(loss(sliced)))(flat))
+
+
 def test_layout_errors():
     with pytest.raises(ValueError, match="non-empty dict"):
         FlatLayout.create([1, 2], 8, 16, 0)
