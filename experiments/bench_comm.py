@@ -19,9 +19,8 @@ Per step the GPT step does (see :func:`gpt_collective_counts`):
 
 * ``blocks``: two gathers per layer (the forward, and the re-gather of the rematerialised
   layer in the backward pass) and one reduce-scatter per layer;
-* ``embed``: one gather (the tied output projection gathers it again, but with the same
-  inputs, and XLA merges the two) and two reduce-scatters (each use's backward scatters its
-  own cotangent);
+* ``embed``: one gather and one reduce-scatter (a tied embedding is gathered once and used
+  at both ends; its two cotangents are summed before the one reduce-scatter);
 * ``head``: one gather and one reduce-scatter if it has sharded leaves (untied output layer).
 
 The small replicated leaves (biases, norm scales) are averaged with an all-reduce that the
@@ -89,11 +88,11 @@ def gpt_collective_counts(model_cfg) -> tuple[dict[str, int], dict[str, int]]:
     """(gathers, scatters) per step of each GPT group, per layer for the stacked ``blocks``.
 
     See the module docstring: blocks 2 gathers (forward + remat) and 1 scatter per layer; embed
-    1 gather (XLA merges the tied second one) and 2 scatters if tied; head 1 and 1.
+    and head 1 and 1 (tied or not: a tied embedding is gathered once).
     """
-    tied = bool(model_cfg.tie_embeddings)
+    del model_cfg  # the counts do not depend on it (tied or not)
     gathers = {"blocks": 2, "embed": 1, "head": 1}
-    scatters = {"blocks": 1, "embed": 2 if tied else 1, "head": 1}
+    scatters = {"blocks": 1, "embed": 1, "head": 1}
     return gathers, scatters
 
 

@@ -401,9 +401,11 @@ class GPT:
 
     # ---- forward ------------------------------------------------------------------------
 
-    def embed(self, p: ParamAccess, inputs_BxL: jax.Array) -> jax.Array:
+    def embed(self, p: ParamAccess, inputs_BxL: jax.Array, embedding: Embedding | None = None) -> jax.Array:
         _check_inputs(self.cfg, inputs_BxL, "inputs")
-        return self.embedding(p.gather(EMBED))(inputs_BxL)
+        if embedding is None:
+            embedding = self.embedding(p.gather(EMBED))
+        return embedding(inputs_BxL)
 
     def trunk(self, p: ParamAccess, x_BxLxD: jax.Array, *, remat: bool = True) -> jax.Array:
         """All blocks, one layer at a time via ``p.scan``."""
@@ -414,24 +416,32 @@ class GPT:
         x_BxLxD, _ = p.scan(BLOCKS, body, x_BxLxD, remat=remat)
         return x_BxLxD
 
-    def unembed(self, p: ParamAccess, x_BxLxD: jax.Array) -> jax.Array:
-        """Final norm and output projection; float32 logits."""
+    def unembed(self, p: ParamAccess, x_BxLxD: jax.Array, embedding: Embedding | None = None) -> jax.Array:
+        """Final norm and output projection; float32 logits. A tied model reads ``embedding``
+        (gathered here if not given)."""
         head = self.head(p.gather(HEAD))
         h_BxLxD = head.ln_f(x_BxLxD)
         if self.cfg.tie_embeddings:
-            # Gathered again (not kept alive across the scan): in the sharded step this
-            # is a second all-gather of the embedding, which XLA may CSE.
-            logits_BxLxV = self.embedding(p.gather(EMBED)).attend(h_BxLxD)
+            if embedding is None:
+                embedding = self.embedding(p.gather(EMBED))
+            logits_BxLxV = embedding.attend(h_BxLxD)
         else:
             logits_BxLxV = head.out(h_BxLxD)
         return logits_BxLxV.astype(jnp.float32)
 
     def logits(self, p: ParamAccess, inputs_BxL: jax.Array, *, remat: bool = True) -> jax.Array:
-        """float32 logits ``[B, L, vocab]`` for int ``inputs`` ``[B, L]`` (L <= seq_len)."""
+        """float32 logits ``[B, L, vocab]`` for int ``inputs`` ``[B, L]`` (L <= seq_len).
+
+        A tied embedding is gathered once and used at both ends, so its gradient is summed
+        locally and reduce-scattered once: gathering it again for the output projection
+        would double its all-gather and reduce-scatter bytes (and quantize its gradient twice).
+        The price is the full embedding held through the trunk (vocab x d_model floats).
+        """
         p = _as_access(p)
-        x_BxLxD = self.embed(p, inputs_BxL)
+        embedding = self.embedding(p.gather(EMBED)) if self.cfg.tie_embeddings else None
+        x_BxLxD = self.embed(p, inputs_BxL, embedding)
         x_BxLxD = self.trunk(p, x_BxLxD, remat=remat)
-        return self.unembed(p, x_BxLxD)
+        return self.unembed(p, x_BxLxD, embedding)
 
     def loss(self, p: ParamAccess, batch: Mapping[str, jax.Array], *, remat: bool = True) -> jax.Array:
         """Mean next-token cross-entropy (float32 scalar, nats/byte).
