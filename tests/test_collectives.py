@@ -67,6 +67,19 @@ def test_packed_codes_get_a_fusion_boundary_on_cpu(mesh, bits, boundary):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+def test_collectives_type_check_under_shard_map_vma(mesh, bits):
+    """The default shard_map (check_vma=True) accepts both collectives, boundary included."""
+    def f(x):
+        full = qc.quantized_all_gather(x, bits=bits, bucket=BUCKET, axis_name=AXIS)
+        return qc.quantized_reduce_scatter(full, bits=bits, bucket=BUCKET, axis_name=AXIS, key=jnp.uint32(3))
+
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    x = _weights()
+    got = np.asarray(fn(x))
+    np.testing.assert_allclose(got, N * np.asarray(x), rtol=0.1, atol=N * 4 * float(jnp.max(jnp.abs(x))) / 2**bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 def test_non_finite_gradients_stay_non_finite_through_the_reduce_scatter(mesh, bits):
     full = np.stack([np.asarray(_weights(seed=60 + i)) for i in range(N)])
     chunk = full.shape[1] // N
