@@ -36,11 +36,12 @@ def test_payload_roundtrip():
     x = _weights(3 * BUCKET)
     for bits in (1, 3, 4, 8):
         qt = qz.quantize(x, bits, BUCKET, "stochastic", qz.derive_key(bits))
-        payload = qc.to_payload(qt)
-        assert payload.dtype == jnp.uint8
-        assert payload.shape == (qc.payload_size(x.size, bits, BUCKET),)
-        back = qc.from_payload(payload, x.size, bits, BUCKET)
-        chex.assert_trees_all_equal(back.dequantize(), qt.dequantize())
+        for split in (False, True):
+            payload = qc.to_payload(qt, split=split)
+            assert payload.dtype == jnp.uint8
+            assert payload.shape == (qc.payload_size(x.size, bits, BUCKET),)
+            back = qc.from_payload(payload, x.size, bits, BUCKET, split=split)
+            chex.assert_trees_all_equal(back.dequantize(), qt.dequantize())
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9])
@@ -59,11 +60,14 @@ CPU_ONLY = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU-sp
 @pytest.mark.parametrize("bits,boundary", [(4, True), (3, True), (8, False)])
 def test_packed_codes_get_a_fusion_boundary_on_cpu(mesh, bits, boundary):
     """The boundary is what keeps the quantizer out of the packing loop (2x on CPU): it must
-    be in the compiled reduce-scatter for packed codes, and absent for 8 bits."""
+    be in the compiled reduce-scatter for packed codes, and absent for 8 bits and from the
+    all-gather (where it only added kernels to compile)."""
     f = _smap(mesh, lambda x: qc.quantized_reduce_scatter(
         x, bits=bits, bucket=BUCKET, axis_name=AXIS, key=jnp.uint32(1)), P(AXIS), P(AXIS))
     hlo = f.lower(jax.ShapeDtypeStruct((N * N * BUCKET,), jnp.float32)).compile().as_text()
     assert ("conditional(" in hlo) == boundary
+    g = _smap(mesh, lambda x: qc.quantized_all_gather(x, bits=bits, bucket=BUCKET, axis_name=AXIS), P(AXIS), P())
+    assert "conditional(" not in g.lower(jax.ShapeDtypeStruct((N * BUCKET,), jnp.float32)).compile().as_text()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -96,9 +100,9 @@ def test_codes_of_a_non_finite_tensor_are_zero_on_cpu():
     x = np.array(_weights(2 * BUCKET))
     x[3] = np.nan
     qt = qz.quantize(jnp.asarray(x), 4, BUCKET, "nearest")
-    payload = np.asarray(qc.to_payload(qt))
+    payload = np.asarray(qc.to_payload(qt, split=True))
     assert not payload[: qz.packed_size(x.size, 4)].any()
-    back = qc.from_payload(jnp.asarray(payload), x.size, 4, BUCKET).dequantize()
+    back = qc.from_payload(jnp.asarray(payload), x.size, 4, BUCKET, split=True).dequantize()
     assert not np.isfinite(np.asarray(back)[:BUCKET]).any()
 
 
