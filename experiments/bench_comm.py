@@ -84,13 +84,12 @@ def wire_bytes_per_element(bits: int | None, fp_dtype: str, bucket: int) -> floa
     return bits / 8 + 8 / bucket
 
 
-def gpt_collective_counts(model_cfg) -> tuple[dict[str, int], dict[str, int]]:
+def gpt_collective_counts() -> tuple[dict[str, int], dict[str, int]]:
     """(gathers, scatters) per step of each GPT group, per layer for the stacked ``blocks``.
 
     See the module docstring: blocks 2 gathers (forward + remat) and 1 scatter per layer; embed
     and head 1 and 1 (tied or not: a tied embedding is gathered once).
     """
-    del model_cfg  # the counts do not depend on it (tied or not)
     gathers = {"blocks": 2, "embed": 1, "head": 1}
     scatters = {"blocks": 1, "embed": 1, "head": 1}
     return gathers, scatters
@@ -159,7 +158,7 @@ def measure(
     params = model.abstract_params()
     seq = model.cfg.seq_len
     batch = {k: jax.ShapeDtypeStruct((batch_size, seq), jnp.int32) for k in ("inputs", "targets")}
-    gathers, scatters = gpt_collective_counts(model.cfg)
+    gathers, scatters = gpt_collective_counts()
 
     out: dict[str, Any] = {
         "preset": preset,
