@@ -4,6 +4,7 @@ The public API; see README.md for a walk-through and ``../DESIGN.md`` for the in
 """
 
 from qsdp_jax import optim  # noqa: F401  (``qsdp_jax.optim.qsdp``)
+from qsdp_jax import distributed  # noqa: F401  (``qsdp_jax.distributed.initialize``)
 from qsdp_jax.access import LocalParams, ParamAccess
 from qsdp_jax.collectives import (
     GatherSpec,
@@ -38,6 +39,7 @@ __all__ = [
     "abstract_train_state",
     "all_gather_fp",
     "dequantize",
+    "distributed",
     "gather_params",
     "init_train_state",
     "make_eval_step",
