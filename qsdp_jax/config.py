@@ -47,7 +47,23 @@ class QSDPConfig:
       fp_comm_dtype: dtype of the collectives that are not quantized (``"float32"`` or
         ``"bfloat16"``); the bf16 FSDP baseline is ``weight_bits=grad_bits=None`` with
         ``fp_comm_dtype="bfloat16"``.
-      axis_name: the mesh axis the parameters are sharded over.
+      axis_name: the mesh axis the parameters are sharded over (on a two-level mesh: the inner,
+        fast, intra-node level).
+      node_axis: hierarchical FSDP on a ``(node_axis, axis_name)`` mesh (e.g. ``("node",
+        "local")``): the weights are sharded over both axes, node-major, and every collective
+        runs in two stages, one per level (see ``qsdp_jax.hierarchy``). None: a 1-D mesh.
+      replica_axis: hybrid sharding on a ``(replica_axis, axis_name)`` mesh (e.g. ``("replica",
+        "fsdp")``): sharded inside a group along ``axis_name``, replicated across groups; the
+        cross-group gradient reduction is quantized too. At most one of ``node_axis`` and
+        ``replica_axis``.
+      inter_weight_bits, inter_grad_bits: bits on the outer (inter-node / cross-group) level;
+        None (the default): the same as ``weight_bits`` / ``grad_bits``. ``weight_bits`` and
+        ``grad_bits`` then are the inner (intra-node) level's. Only with ``node_axis`` or
+        ``replica_axis``. In ``"qsdp"`` weight mode the weights live on one grid and both
+        levels forward its codes (lossless), so ``inter_weight_bits`` must equal
+        ``weight_bits``; it may differ in ``"comm"`` and ``"full"`` modes (e.g. fp32 inside a
+        node, 8-bit round-to-nearest across). ``inter_grad_bits`` with ``grad_bits=None``
+        means ``fp_comm_dtype`` inside a node and quantized across (e.g. bf16 in, 4-bit out).
     """
 
     weight_bits: int | None = 8
@@ -60,6 +76,10 @@ class QSDPConfig:
     seed: int = 0
     fp_comm_dtype: str = "float32"
     axis_name: str = "fsdp"
+    node_axis: str | None = None
+    replica_axis: str | None = None
+    inter_weight_bits: int | None = None
+    inter_grad_bits: int | None = None
 
     def __post_init__(self):
         _check_bits("weight_bits", self.weight_bits)
@@ -97,6 +117,45 @@ class QSDPConfig:
                 "2..8 with weight_mode='qsdp' and weight_rounding='shift': a randomly shifted "
                 "grid needs one spare level to cover the bucket range for every shift, and 2 "
                 "levels leave none (weight_rounding='stochastic' or weight_mode='comm' accept 1)",
+            )
+        self._check_levels()
+
+    def _check_levels(self):
+        """Validate the two-level fields (mesh axes and per-level bits)."""
+        for field in ("node_axis", "replica_axis"):
+            v = getattr(self, field)
+            if v is not None and (not isinstance(v, str) or not v):
+                _fail(field, v, "None or a non-empty mesh axis name")
+            if v is not None and v == self.axis_name:
+                _fail(field, v, f"an axis other than axis_name={self.axis_name!r}")
+        if self.node_axis is not None and self.replica_axis is not None:
+            _fail(
+                "replica_axis", self.replica_axis,
+                f"None when node_axis={self.node_axis!r} is set (two levels at most: a mesh is "
+                "either hierarchical (node_axis) or hybrid (replica_axis))",
+            )
+        _check_bits("inter_weight_bits", self.inter_weight_bits)
+        _check_bits("inter_grad_bits", self.inter_grad_bits)
+        for field in ("inter_weight_bits", "inter_grad_bits"):
+            v = getattr(self, field)
+            if v is not None and self.outer_axis is None:
+                _fail(
+                    field, v,
+                    "None on a 1-D mesh: per-level bits need two levels (set node_axis for a "
+                    "hierarchical ('node', 'local') mesh or replica_axis for a hybrid one)",
+                )
+        if self.inter_weight_bits is not None and self.weight_mode == "qsdp":
+            if self.inter_weight_bits != self.weight_bits:
+                _fail(
+                    "inter_weight_bits", self.inter_weight_bits,
+                    f"None or equal to weight_bits={self.weight_bits} with weight_mode='qsdp': "
+                    "the weights live on one grid and every level forwards its codes, which keeps "
+                    "the gather lossless (per-level weight bits need weight_mode 'comm' or 'full')",
+                )
+        if self.replica_axis is not None and self.inter_weight_bits is not None:
+            _fail(
+                "inter_weight_bits", self.inter_weight_bits,
+                "None with replica_axis: a hybrid mesh gathers weights only inside a group",
             )
 
     # --- convenience constructors -------------------------------------------------------------
@@ -150,6 +209,39 @@ class QSDPConfig:
     @property
     def quantizes_grads(self) -> bool:
         return self.grad_bits is not None
+
+    @property
+    def outer_axis(self) -> str | None:
+        """The outer (inter-node / cross-group) mesh axis, or None on a 1-D mesh."""
+        return self.node_axis if self.node_axis is not None else self.replica_axis
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The mesh axes this config runs on, outer first: ``(axis_name,)``,
+        ``(node_axis, axis_name)`` or ``(replica_axis, axis_name)``."""
+        outer = self.outer_axis
+        return (self.axis_name,) if outer is None else (outer, self.axis_name)
+
+    @property
+    def shard_axes(self) -> str | tuple[str, str]:
+        """What the weights are sharded over, as JAX collectives and PartitionSpecs take it:
+        ``axis_name`` (1-D and hybrid) or ``(node_axis, axis_name)`` (hierarchical, node-major)."""
+        return self.axis_name if self.node_axis is None else (self.node_axis, self.axis_name)
+
+    @property
+    def batch_axes(self) -> str | tuple[str, str]:
+        """What the batch is split over: every axis of the mesh."""
+        return self.axis_name if self.outer_axis is None else self.mesh_axes
+
+    @property
+    def outer_weight_bits(self) -> int | None:
+        """Weight bits on the outer level (``inter_weight_bits``, else ``weight_bits``)."""
+        return self.weight_bits if self.inter_weight_bits is None else self.inter_weight_bits
+
+    @property
+    def outer_grad_bits(self) -> int | None:
+        """Gradient bits on the outer level (``inter_grad_bits``, else ``grad_bits``)."""
+        return self.grad_bits if self.inter_grad_bits is None else self.inter_grad_bits
 
     @property
     def name(self) -> str:

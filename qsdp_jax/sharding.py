@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +27,66 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 PyTree = Any
 
 
-def make_mesh(axis_name: str = "fsdp", devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh over ``devices`` (default: all devices of all processes) on ``axis_name``.
+def make_mesh(
+    axes: str | Mapping[str, int] = "fsdp", devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A mesh over ``devices`` (default: all devices of all processes).
 
+    * ``make_mesh()`` / ``make_mesh("fsdp")``: 1-D on one axis (the simple default).
+    * ``make_mesh({"node": 2, "local": 4})``: hierarchical FSDP (``QSDPConfig(node_axis="node",
+      axis_name="local")``); ``make_mesh({"replica": 2, "fsdp": 4})``: hybrid sharding
+      (``QSDPConfig(replica_axis="replica")``). The first axis is the outer (slow) level.
+
+    Devices are ordered hosts-outermost: consecutive positions of the last axis are devices of
+    the same process wherever they divide that way, so the outer axis is the one that crosses
+    hosts (on CPU the devices are grouped by ``process_index``; on GPU/TPU JAX's
+    ``mesh_utils.create_device_mesh`` / ``create_hybrid_device_mesh`` choose the order).
     Uses ``AxisType.Auto`` (the classic style): shardings are given explicitly where they matter.
     """
     devs = list(jax.devices() if devices is None else devices)
     if not devs:
         raise ValueError("make_mesh needs at least one device")
-    return Mesh(np.array(devs), (axis_name,), axis_types=(jax.sharding.AxisType.Auto,))
+    if isinstance(axes, str):
+        return Mesh(np.array(devs), (axes,), axis_types=(jax.sharding.AxisType.Auto,))
+    names, shape = _mesh_shape(axes, len(devs))
+    return Mesh(_order_devices(devs, shape), names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def _mesh_shape(axes, num_devices: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    if not isinstance(axes, Mapping) or not axes:
+        raise ValueError(
+            f"make_mesh axes must be an axis name or a non-empty dict name -> size, e.g. "
+            f"{{'node': 2, 'local': 4}}; got {axes!r}"
+        )
+    names, shape = tuple(axes), tuple(axes.values())
+    if len(names) > 2:
+        raise ValueError(f"make_mesh supports 1-D and 2-D meshes, got {len(names)} axes {names}")
+    for name, size in axes.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"mesh axis names must be non-empty strings, got {name!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh axis {name!r} has size {size!r}: must be an integer >= 1")
+    if math.prod(shape) != num_devices:
+        raise ValueError(
+            f"mesh {dict(axes)} needs {' x '.join(map(str, shape))} = {math.prod(shape)} devices, "
+            f"but there are {num_devices}: the sizes must multiply to the device count"
+        )
+    return names, shape
+
+
+def _order_devices(devs: list, shape: tuple[int, ...]) -> np.ndarray:
+    """Devices in a ``shape`` array, hosts outermost (see :func:`make_mesh`)."""
+    if devs[0].platform != "cpu":
+        from jax.experimental import mesh_utils
+
+        nproc = len({d.process_index for d in devs})
+        if nproc > 1 and len(shape) == 2 and shape[0] % nproc == 0:
+            return mesh_utils.create_hybrid_device_mesh(
+                (shape[0] // nproc, shape[1]), (nproc, 1), devs, process_is_granule=True
+            )
+        return mesh_utils.create_device_mesh(shape, devs, allow_split_physical_axes=True)
+    ordered = sorted(devs, key=lambda d: (d.process_index, d.id))
+    return np.array(ordered, dtype=object).reshape(shape)
 
 
 def check_mesh(mesh: Mesh, axis_name: str) -> int:

@@ -42,9 +42,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qsdp_jax import optim as qoptim
 from qsdp_jax import quantizers as qz
-from qsdp_jax.collectives import GatherSpec, make_gather
+from qsdp_jax.collectives import make_gather
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.sharding import FlatLayout, check_mesh
+from qsdp_jax.hierarchy import gather_spec, mesh_sizes
+from qsdp_jax.sharding import FlatLayout
 
 PyTree = Any
 PURPOSE_GRAD = 2
@@ -79,7 +80,7 @@ class ShardedParams:
         self._grid = grid  # (scales, offsets) trees over params["sharded"], or None
         self._step = step
         self._config = config
-        self._gather = make_gather(GatherSpec.from_config(config))
+        self._gather = make_gather(gather_spec(config))
 
     def _key(self, group: str, layer) -> jax.Array:
         gi = self._layout.group_index(group)
@@ -169,7 +170,7 @@ def init_train_state(
       stacked: the groups whose leaves carry a leading layer axis (read with ``scan``).
     """
     layout = _layout(params, mesh, config, stacked)
-    flatten = jax.jit(layout.flatten, out_shardings=layout.shardings(mesh, config.axis_name))
+    flatten = jax.jit(layout.flatten, out_shardings=layout.shardings(mesh, config.shard_axes))
     p, opt_state = _init_fn(layout, optimizer, mesh, config)(flatten(params))
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
     return TrainState(step=step, params=p, opt_state=opt_state, layout=layout)
@@ -193,8 +194,8 @@ def abstract_train_state(
     flat = jax.eval_shape(layout.flatten, params)
     p, opt_state = jax.eval_shape(_init_fn(layout, optimizer, mesh, config), flat)
     with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-    p = jax.tree.map(with_sharding, p, layout.shardings(mesh, config.axis_name))
-    stacked_sharding = NamedSharding(mesh, P(config.axis_name))
+    p = jax.tree.map(with_sharding, p, layout.shardings(mesh, config.shard_axes))
+    stacked_sharding = NamedSharding(mesh, P(config.shard_axes))
     opt_state = jax.tree.map(lambda x: with_sharding(x, stacked_sharding), opt_state)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     return TrainState(step=step, params=p, opt_state=opt_state, layout=layout)
@@ -202,14 +203,14 @@ def abstract_train_state(
 
 def _layout(params, mesh: Mesh, config: QSDPConfig, stacked: Sequence[str]) -> FlatLayout:
     _check_config(config)
-    n = check_mesh(mesh, config.axis_name)
+    n, _ = mesh_sizes(mesh, config)
     return FlatLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked)
 
 
 def _init_fn(layout: FlatLayout, optimizer, mesh: Mesh, config: QSDPConfig):
     """Jitted ``flat params -> (params, device-stacked opt_state)``: optimizer init on each
     device's shards and, in ``"qsdp"`` mode, the projection onto the initial grid."""
-    axis, n = config.axis_name, mesh.shape[config.axis_name]
+    axis, n = config.shard_axes, mesh_sizes(mesh, config)[0]
     specs = layout.specs(axis)
 
     def local_init(p):
@@ -251,8 +252,8 @@ def make_train_step(
     ``nonfinite`` (1 when the update was skipped), ``step`` (the step that was taken).
     """
     _check_config(config)
-    n = check_mesh(mesh, config.axis_name)
-    axis = config.axis_name
+    n, n_dev = mesh_sizes(mesh, config)
+    axis, batch_axes = config.shard_axes, config.batch_axes
 
     def local_step(step, params, opt_state, batch, layout):
         opt_state = jax.tree.map(lambda x: x[0], opt_state)
@@ -264,8 +265,8 @@ def make_train_step(
 
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
         grads = {
-            "sharded": jax.tree.map(lambda g: g / n, grads["sharded"]),
-            "replicated": jax.tree.map(lambda g: lax.pmean(g, axis), grads["replicated"]),
+            "sharded": jax.tree.map(lambda g: g / n_dev, grads["sharded"]),
+            "replicated": jax.tree.map(lambda g: lax.pmean(g, batch_axes), grads["replicated"]),
         }
         mask = _sharded_mask(params)
         with qoptim.sharding_context(axis, n, mask):
@@ -281,7 +282,7 @@ def make_train_step(
         sq = lax.psum(jnp.asarray(sq, jnp.float32), axis)
         sq = sq + sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads["replicated"]))
         metrics = {
-            "loss": lax.pmean(loss, axis),
+            "loss": lax.pmean(loss, batch_axes),
             "grad_norm": jnp.sqrt(sq),
             "nonfinite": (~finite).astype(jnp.int32),
             "step": step,
@@ -290,12 +291,12 @@ def make_train_step(
         return step + 1, new_params, new_opt, metrics, aux
 
     def step_fn(state: TrainState, batch):
-        _check_batch(batch, n)
+        _check_batch(batch, n_dev)
         layout = state.layout
         specs = layout.specs(axis)
         opt_specs = P(axis)  # a prefix: every opt_state leaf has a leading device axis
-        batch_specs = jax.tree.map(lambda _: P(axis), batch)
-        aux_spec = P(axis) if aux_out_spec is None else aux_out_spec
+        batch_specs = jax.tree.map(lambda _: P(batch_axes), batch)
+        aux_spec = P(batch_axes) if aux_out_spec is None else aux_out_spec
         body = jax.shard_map(
             lambda s, p, o, b: local_step(s, p, o, b, layout),
             mesh=mesh,
@@ -316,23 +317,23 @@ def make_eval_step(
     """A jitted ``eval(state, batch) -> mean loss`` with the same gathers as training (lossless
     in ``"qsdp"`` mode: evaluation sees exactly the weights training uses)."""
     _check_config(config)
-    n = check_mesh(mesh, config.axis_name)
-    axis = config.axis_name
+    n, n_dev = mesh_sizes(mesh, config)
+    axis, batch_axes = config.shard_axes, config.batch_axes
 
     def local_eval(step, params, opt_state, batch, layout):
         opt_state = jax.tree.map(lambda x: x[0], opt_state)
         grid = _grid_for_step(opt_state, config, layout)
         loss = loss_fn(ShardedParams(layout, params, grid, step, config), batch)
-        return lax.pmean(loss, axis)
+        return lax.pmean(loss, batch_axes)
 
     def eval_fn(state: TrainState, batch):
-        _check_batch(batch, n)
+        _check_batch(batch, n_dev)
         layout = state.layout
         body = jax.shard_map(
             lambda s, p, o, b: local_eval(s, p, o, b, layout),
             mesh=mesh,
             in_specs=(P(), layout.specs(axis), P(axis),
-                      jax.tree.map(lambda _: P(axis), batch)),
+                      jax.tree.map(lambda _: P(batch_axes), batch)),
             out_specs=P(),
             check_vma=False,
         )
