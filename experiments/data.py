@@ -366,12 +366,17 @@ class BatchSampler:
         """Number of distinct window start positions."""
         return len(self.tokens) - self.seq_len
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        """``{"inputs", "targets"}``, int32 arrays of shape ``[batch_size, seq_len]``."""
+    def batch(self, step: int, rows: slice | None = None) -> dict[str, np.ndarray]:
+        """``{"inputs", "targets"}``, int32 arrays of shape ``[batch_size, seq_len]``.
+
+        ``rows``: only these rows of the global batch, e.g. the part one process or device
+        holds; they equal the same rows of the full batch (still a function of (seed, step))."""
         if not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         rng = np.random.default_rng([self.seed, int(step)])
         starts = rng.integers(0, self.num_starts, size=self.batch_size)
+        if rows is not None:
+            starts = starts[rows]
         windows = self.tokens[starts[:, None] + self._offsets].astype(np.int32)
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 

@@ -202,12 +202,12 @@ def initialize(settings: DistributedSettings | None = None, **kwargs) -> Distrib
 
     Call it before any other JAX call (jax refuses to start the distributed runtime after
     its backends exist). A single process is a no-op; a second call returns the first
-    call's result. Keyword arguments are :class:`DistributedSettings` fields and override
+    call's result (a single process is looked at again: nothing was started). Keyword arguments are :class:`DistributedSettings` fields and override
     the environment."""
     import jax
 
-    if _STATE["info"] is not None:
-        return _STATE["info"]
+    if _STATE["info"] is not None and _STATE["info"].source != "single":
+        return _STATE["info"]  # started once; a single process started nothing: look again
     if jax.distributed.is_initialized():
         _STATE["info"] = DistributedInfo("external", jax.process_count(), jax.process_index())
         return _STATE["info"]

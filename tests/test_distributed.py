@@ -95,7 +95,7 @@ def test_resolve_single_explicit_and_slurm(clean_env):
 def test_single_process_is_a_noop_and_idempotent(clean_env, tmp_path, capsys):
     info = distributed.initialize()
     assert info == DistributedInfo("single", 1, 0)
-    assert distributed.initialize() is info
+    assert distributed.initialize() == info
     assert not jax.distributed.is_initialized()
     assert distributed.is_main_process() and distributed.num_processes() == 1
     path = distributed.enable_process_log(tmp_path)
