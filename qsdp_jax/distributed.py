@@ -201,9 +201,9 @@ def initialize(settings: DistributedSettings | None = None, **kwargs) -> Distrib
     """Start ``jax.distributed`` once from ``settings`` / keyword fields / the environment.
 
     Call it before any other JAX call (jax refuses to start the distributed runtime after
-    its backends exist). A single process is a no-op; a second call returns the first
-    call's result (a single process is looked at again: nothing was started). Keyword arguments are :class:`DistributedSettings` fields and override
-    the environment."""
+    its backends exist). A single process is a no-op; once started, a second call returns the
+    first call's result (a single process is looked at again: nothing was started). Keyword
+    arguments are :class:`DistributedSettings` fields and override the environment."""
     import jax
 
     if _STATE["info"] is not None and _STATE["info"].source != "single":

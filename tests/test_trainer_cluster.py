@@ -73,3 +73,18 @@ def test_bad_mesh_and_cluster_flags(flags, message, tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert "usage:" in err and message in err, err
     assert not out.exists()
+
+
+def test_a_process_draws_only_its_rows():
+    """BatchSampler.batch(step, rows=...) is the same rows of the full batch (so each process
+    can draw just its own part and the global batch stays a function of (seed, step))."""
+    import numpy as np
+
+    from experiments.data import BatchSampler
+
+    s = BatchSampler(np.arange(5000) % 256, batch_size=8, seq_len=16, seed=3)
+    full = s.batch(7)
+    for rows in (slice(0, 4), slice(4, 8), slice(2, 3)):
+        part = s.batch(7, rows=rows)
+        for k in ("inputs", "targets"):
+            np.testing.assert_array_equal(part[k], full[k][rows])
