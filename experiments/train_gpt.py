@@ -447,9 +447,9 @@ def _is_main_process_hint() -> bool:
     return True
 
 
-def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
-    """Run the training the flags describe; returns the RunResult. CLIError on bad flags or
-    environment, before anything is written."""
+def prepare_run(args: argparse.Namespace):
+    """Check the flags, start the devices (and ``jax.distributed``), size the mesh: returns
+    ``(devices, is_main, cfg, run, out)``. CLIError before anything is written."""
     if args.data is not None and not Path(args.data).is_file():
         raise CLIError(f"--data {args.data}: no such file")
     for n in (args.devices, args.simulate_devices):
@@ -475,6 +475,14 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
     out = Path(args.out) if args.out is not None else default_out(args.preset, cfg.name)
     if main:
         check_out_dir(out, args.overwrite)
+    return devices, main, cfg, run, out
+
+
+def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
+    """Run the training the flags describe; returns the RunResult. CLIError on bad flags or
+    environment, before anything is written."""
+    devices, main, cfg, run, out = prepare_run(args)
+    from qsdp_jax import distributed
 
     from experiments import trainer as tr
 

@@ -83,12 +83,10 @@ class CollectiveSite:
     shapes: dict
 
 
-def collective_sites(module: HloModule, strict: bool = False) -> tuple[list[CollectiveSite], list[str]]:
-    """Every collective reachable from the entry computation with its per-step run count,
-    and the warnings met on the way (unknown trip counts, conditionals, unmodelled ops)."""
+def _call_graph(module: HloModule) -> tuple[dict, list[str]]:
+    """Edges ``caller -> [(callee, factor, kind, instr)]`` and the post-order from the entry."""
     comps = module.computations
-    # Call graph (DAG in valid HLO).
-    edges: dict[str, list[tuple[str, int | None, str, _Instr]]] = {}
+    edges: dict[str, list[tuple[str, int | None, str, _Instr]]] = {}  # a DAG in valid HLO
     for cname, instrs in comps.items():
         edges[cname] = [
             (callee, f, kind, ins)
@@ -96,34 +94,30 @@ def collective_sites(module: HloModule, strict: bool = False) -> tuple[list[Coll
             for callee, f, kind in _callees(ins)
             if callee in comps
         ]
-
     order: list[str] = []  # post-order from the entry
-    seen: set[str] = set()
+    seen = {module.entry}
+    stack = [(module.entry, iter(edges[module.entry]))]
+    while stack:
+        node, it = stack[-1]
+        for callee, *_ in it:
+            if callee not in seen:
+                seen.add(callee)
+                stack.append((callee, iter(edges[callee])))
+                break
+        else:
+            stack.pop()
+            order.append(node)
+    return edges, order
 
-    def visit(c: str) -> None:
-        stack = [(c, iter(edges[c]))]
-        seen.add(c)
-        while stack:
-            node, it = stack[-1]
-            for callee, *_ in it:
-                if callee not in seen:
-                    seen.add(callee)
-                    stack.append((callee, iter(edges[callee])))
-                    break
-            else:
-                stack.pop()
-                order.append(node)
 
-    visit(module.entry)
-
-    def has_coll_local(c: str) -> bool:
-        return any(_kind_of(i.opcode) for i in comps[c])
-
+def _multipliers(module: HloModule, edges: dict, order: list[str], strict: bool,
+                 warnings: list[str]) -> tuple[dict, dict]:
+    """How often each computation runs per step, and whether every trip count was known."""
+    comps = module.computations
     has_coll: dict[str, bool] = {}
     for c in order:  # callees before callers
-        has_coll[c] = has_coll_local(c) or any(has_coll[d] for d, *_ in edges[c])
-
-    warnings: list[str] = []
+        has_coll[c] = (any(_kind_of(i.opcode) for i in comps[c])
+                       or any(has_coll[d] for d, *_ in edges[c]))
     mult: dict[str, int] = defaultdict(int)
     known: dict[str, bool] = defaultdict(lambda: True)
     mult[module.entry] = 1
@@ -147,7 +141,16 @@ def collective_sites(module: HloModule, strict: bool = False) -> tuple[list[Coll
                     warnings.append(msg)
             mult[callee] += mult[c] * factor
             known[callee] = known[callee] and known[c]
+    return mult, known
 
+
+def collective_sites(module: HloModule, strict: bool = False) -> tuple[list[CollectiveSite], list[str]]:
+    """Every collective reachable from the entry computation with its per-step run count,
+    and the warnings met on the way (unknown trip counts, conditionals, unmodelled ops)."""
+    comps = module.computations
+    warnings: list[str] = []
+    edges, order = _call_graph(module)
+    mult, known = _multipliers(module, edges, order, strict, warnings)
     shapes_global: dict[str, Any] = {}
     for instrs in comps.values():
         for ins in instrs:
