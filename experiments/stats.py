@@ -15,6 +15,7 @@ the t quantile is 4.30, so the interval is wide on purpose.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -38,6 +39,7 @@ def _t_cdf_upper_half(t: float, df: float, n: int = 2001) -> float:
     return float(math.exp(log_c) * integral)
 
 
+@functools.lru_cache(maxsize=256)
 def t_quantile(p: float, df: float) -> float:
     """The ``p`` quantile of Student's t with ``df`` degrees of freedom (``0.5 <= p < 1``)."""
     if not 0.5 <= p < 1:
