@@ -112,10 +112,16 @@ def train_chunk(the_plan: runbook.Plan, settings: runbook.Settings, root: Path,
         print("nothing left to train for these runs", flush=True)
         return 0
     simulate_cpu_devices(settings.devices)
-    import qsdp_jax as q  # after XLA_FLAGS
+    import jax  # after XLA_FLAGS
+
+    import qsdp_jax as q
     from experiments import data
     from experiments.trainer import RunConfig, train
 
+    devices = jax.devices()[: settings.devices]
+    if len(devices) < settings.devices:
+        raise SystemExit(f"error: --devices {settings.devices}, but jax has {len(devices)} device(s) "
+                         "in this process (the count is fixed when jax is first imported)")
     commit = runbook.git_commit()
     t0, per_run, times = time.perf_counter(), the_plan.seconds_per_run, []
     for i, key in enumerate(todo):
@@ -138,7 +144,7 @@ def train_chunk(the_plan: runbook.Plan, settings: runbook.Settings, root: Path,
                 print(f"[{key}] step {log.step} loss {log.loss:.4f} val {log.val_loss:.4f}", flush=True)
 
         t_run = time.perf_counter()
-        result = train(run, on_step=on_step)
+        result = train(run, on_step=on_step, devices=devices)
         record = runbook.compact_record(result.as_dict(), key, settings, commit)
         path = runbook.write_record(root, key, record)
         times.append(time.perf_counter() - t_run)
