@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 
 from experiments import runbook
+from experiments.data import CORPORA
 from experiments.devices import simulate_cpu_devices
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-CORPORA = ("shakespeare", "kjv")  # == experiments.data.CORPORA (not imported: no numpy needed)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -25,9 +25,8 @@ import math
 from pathlib import Path
 
 from experiments import stats
+from experiments.data import CORPORA  # their order in tables and plots
 from experiments.runbook import CONFIGS, REFERENCE, RunKey
-
-CORPORA = ("shakespeare", "kjv")  # their order in tables and plots
 
 LEVEL = 0.95
 INTERVAL_TEXT = ("mean over seeds of the relative validation-loss gap to the fp32 run of the same "

