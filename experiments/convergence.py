@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     keys = runbook.run_keys(args.corpus, configs, sorted(set(args.seeds)))
     the_plan = runbook.plan(keys, records, settings)
     if args.plan:
-        print(the_plan.text(root, args.max_runs))
+        print(the_plan.text(root, args.max_runs, args.max_minutes))
         return 0
     if the_plan.conflicts and not args.report:
         print(the_plan.text(root), file=sys.stderr)

@@ -212,15 +212,27 @@ class Plan:
     todo: list[RunKey]
     conflicts: list[tuple[RunKey, str]]  # records made with other settings
     seconds_per_run: float
+    commits: dict[str, int] = dataclasses.field(default_factory=dict)  # of the done records
 
     @property
     def estimate_s(self) -> float:
         return self.seconds_per_run * len(self.todo)
 
-    def text(self, root: Path, max_runs: int | None = None) -> str:
+    def chunk(self, max_runs: int | None = None, max_minutes: float | None = None) -> list[RunKey]:
+        """The next runs to train: at most ``max_runs``, and as many as the estimate fits in
+        ``max_minutes``."""
+        n = len(self.todo) if max_runs is None else min(max_runs, len(self.todo))
+        if max_minutes is not None:
+            n = min(n, int(60 * max_minutes // self.seconds_per_run))
+        return self.todo[:n]
+
+    def text(self, root: Path, max_runs: int | None = None, max_minutes: float | None = None) -> str:
         n = len(self.done) + len(self.todo) + len(self.conflicts)
         lines = [f"{len(self.done)}/{n} runs done under {root}; {len(self.todo)} left, about "
                  f"{_hms(self.estimate_s)} at {self.seconds_per_run:.0f} s per run"]
+        if self.commits:
+            lines.append("done runs were made on: " + ", ".join(
+                f"{c} ({k} runs)" for c, k in sorted(self.commits.items())))
         by_group: dict[tuple[str, str], list[int]] = {}
         for k in self.todo:
             by_group.setdefault((k.corpus, k.config), []).append(k.seed)
@@ -228,10 +240,14 @@ class Plan:
             lines.append(f"  todo {corpus:<12} {config:<20} seeds {seeds}")
         for k, why in self.conflicts:
             lines.append(f"  CONFLICT {k}: {why}")
-        if max_runs is not None and self.todo:
-            chunk = self.todo[:max_runs]
-            lines.append(f"next chunk (--max-runs {max_runs}): {len(chunk)} runs, about "
-                         f"{_hms(self.seconds_per_run * len(chunk))}: {', '.join(map(str, chunk))}")
+        if (max_runs is not None or max_minutes is not None) and self.todo:
+            chunk = self.chunk(max_runs, max_minutes)
+            flags = " ".join(f for f in (max_runs and f"--max-runs {max_runs}",
+                                         max_minutes and f"--max-minutes {max_minutes:g}") if f)
+            names = [str(k) for k in chunk]
+            listed = ", ".join(names) if len(names) <= 8 else f"{names[0]} ... {names[-1]}"
+            lines.append(f"next chunk ({flags}): {len(chunk)} runs, about "
+                         f"{_hms(self.seconds_per_run * len(chunk))}: {listed}")
         return "\n".join(lines)
 
 
@@ -260,4 +276,8 @@ def plan(keys: list[RunKey], records: dict[RunKey, dict], settings: Settings) ->
         per_run = walls[len(walls) // 2]
     else:
         per_run = SETUP_S + settings.steps * SECONDS_PER_STEP.get(settings.preset, 0.15)
-    return Plan(done=done, todo=todo, conflicts=conflicts, seconds_per_run=per_run)
+    commits: dict[str, int] = {}
+    for k in done:
+        c = str(records[k].get("git_commit"))
+        commits[c] = commits.get(c, 0) + 1
+    return Plan(done=done, todo=todo, conflicts=conflicts, seconds_per_run=per_run, commits=commits)

@@ -94,6 +94,9 @@ def test_plan_done_todo_conflicts_and_estimate(tmp_path):
     text = p.text(tmp_path, max_runs=2)
     assert "2/6 runs done" in text and "3 left, about 0:03:00" in text
     assert "next chunk (--max-runs 2): 2 runs, about 0:02:00: kjv/bf16/seed1, kjv/fp32/seed2" in text
+    assert "done runs were made on: abc123 (2 runs)" in text
+    assert [str(k) for k in p.chunk(max_minutes=2.5)] == ["kjv/bf16/seed1", "kjv/fp32/seed2"]
+    assert "next chunk (--max-runs 5 --max-minutes 1): 1 runs" in p.text(tmp_path, 5, 1.0)
     fresh = runbook.plan(keys, {}, runbook.Settings(preset="small", steps=1000))
     assert fresh.seconds_per_run == pytest.approx(165.0)  # 15 s setup + 1000 x 0.15 s
 
