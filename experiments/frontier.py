@@ -57,7 +57,7 @@ def _config_row(name: str, recs: dict[int, dict], ref: dict[int, float], fp32_by
         "name": name,
         "group": spec.group if spec else "unknown",
         "note": spec.note if spec else "",
-        "qsdp": next(iter(recs.values()))["config"]["qsdp"],
+        "qsdp": {k: v for k, v in next(iter(recs.values()))["config"]["qsdp"].items() if k != "seed"},
         "seeds": sorted(recs),
         "val_loss": {str(s): v for s, v in val.items()},
         "val_loss_mean": sum(val.values()) / len(val),
@@ -131,9 +131,13 @@ def markdown_table(summary: dict, corpus: str) -> str:
     """The README table of one corpus: a line on the fp32 spread, then one row per config."""
     c = summary["corpora"][corpus]
     sp = c["fp32_spread"]
-    head = (f"**{corpus}**: fp32 mean validation loss {sp['mean']:.4f} over {sp['n']} seed(s); "
-            f"seed-to-seed sd {_pct(sp['sd_relative'], False)}, range {_pct(sp['range_relative'], False)}. "
-            f"Gap: {INTERVAL_TEXT}." if sp else f"**{corpus}**: no fp32 run yet, so no gaps.")
+    if sp is None:
+        head = f"**{corpus}**: no fp32 run yet, so no gaps."
+    else:
+        noise = (f"seed-to-seed sd {_pct(sp['sd_relative'], False)}, range "
+                 f"{_pct(sp['range_relative'], False)}" if sp["n"] > 1 else "one seed, no spread yet")
+        head = (f"**{corpus}**: fp32 mean validation loss {sp['mean']:.4f} over {sp['n']} seed(s); "
+                f"{noise}. Gap: {INTERVAL_TEXT}.")
     lines = [head, "",
              "| configuration | wire bits/element | MB/step | fewer bytes | seeds | val loss | "
              "paired gap, mean [95% CI] | per-seed gaps | CI holds 0 |",

@@ -65,6 +65,8 @@ def test_one_seed_and_unpaired_seeds_are_reported_not_hidden():
     w6 = _row(s, "shakespeare", "qsdp-W6G6")
     assert w6["gap"] is None and w6["unpaired_seeds"] == [7]
     assert [r["name"] for r in s["corpora"]["kjv"]["configs"]] == ["fp32"]
+    assert "over 1 seed(s); one seed, no spread yet." in frontier.markdown_table(s, "kjv")
+    assert "seed" not in w4["qsdp"] and w4["qsdp"]["weight_bits"] == 4
     assert list(s["corpora"]) == ["shakespeare", "kjv"]
     assert len(s["runs"]) == 11 and s["interval"].startswith("mean over seeds")
 
