@@ -138,13 +138,18 @@ def run_keys(corpora, configs, seeds) -> list[RunKey]:
 
 
 def git_commit(repo: Path | None = None) -> str | None:
-    """``HEAD`` of the repository (``+dirty`` if tracked files changed), or None outside git."""
+    """``HEAD`` of the repository, ``+dirty`` if tracked code (``qsdp_jax/``, ``experiments/``
+    outside ``results/``) differs from it; None outside git."""
     cwd = repo or Path(__file__).resolve().parent
+    code = ["qsdp_jax", "experiments", ":(exclude)experiments/results"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=cwd, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *code],
+                               cwd=top, capture_output=True, text=True, timeout=10,
+                               check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("+dirty" if dirty else "")

@@ -79,6 +79,12 @@ def test_compact_record_keeps_validation_points_only():
     assert result["config"]["data_path"] == "/somewhere/cache/kjv_x_v1.txt"  # input untouched
 
 
+def test_git_commit_of_this_checkout_and_outside_git(tmp_path):
+    c = runbook.git_commit()
+    assert c is not None and len(c.removesuffix("+dirty")) == 40
+    assert runbook.git_commit(tmp_path) is None
+
+
 def test_plan_done_todo_conflicts_and_estimate(tmp_path):
     write_fake(tmp_path, "kjv", "fp32", 0, 2.0, 100, settings=TINY, wall_s=40.0)
     write_fake(tmp_path, "kjv", "bf16", 0, 2.0, 100, settings=TINY, wall_s=60.0)
