@@ -24,8 +24,9 @@ import tempfile
 from pathlib import Path
 
 __all__ = [
-    "CONFIGS", "DEFAULT_SEEDS", "GROUPS", "ConfigSpec", "Plan", "RunKey", "Settings",
-    "compact_record", "git_commit", "load_records", "plan", "run_keys", "write_record",
+    "CONFIGS", "DEFAULT_SEEDS", "GROUPS", "REFERENCE", "ConfigSpec", "Plan", "RunKey", "Settings",
+    "compact_record", "git_commit", "load_records", "plan", "run_keys", "select_configs",
+    "write_record",
 ]
 
 REFERENCE = "fp32"
