@@ -15,6 +15,12 @@ from qsdp_jax.collectives import (
     reduce_scatter_fp,
 )
 from qsdp_jax.config import QSDPConfig
+from qsdp_jax.hierarchy import (
+    TwoLevelSpec,
+    cross_group_all_reduce,
+    two_level_all_gather,
+    two_level_reduce_scatter,
+)
 from qsdp_jax.quantizers import QTensor, dequantize, pack_bits, quantize, unpack_bits
 from qsdp_jax.sharding import FlatLayout, make_mesh
 from qsdp_jax.train import (
@@ -36,8 +42,10 @@ __all__ = [
     "QTensor",
     "ShardedParams",
     "TrainState",
+    "TwoLevelSpec",
     "abstract_train_state",
     "all_gather_fp",
+    "cross_group_all_reduce",
     "dequantize",
     "distributed",
     "gather_params",
@@ -52,6 +60,8 @@ __all__ = [
     "quantized_all_gather",
     "quantized_reduce_scatter",
     "reduce_scatter_fp",
+    "two_level_all_gather",
+    "two_level_reduce_scatter",
     "unpack_bits",
 ]
 __version__ = "0.1.0"

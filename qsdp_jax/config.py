@@ -247,14 +247,24 @@ class QSDPConfig:
     def name(self) -> str:
         """A short label for tables: ``fp32``, ``bf16``, ``qsdp-W8G8``, ``comm-W4G4``..."""
         if self.weight_bits is None and self.grad_bits is None:
-            return "fp32" if self.fp_comm_dtype == "float32" else "bf16"
+            return ("fp32" if self.fp_comm_dtype == "float32" else "bf16") + self._level_suffix()
         fp = "F32" if self.fp_comm_dtype == "float32" else "BF16"
         w = f"W{self.weight_bits}" if self.weight_bits is not None else f"W{fp}"
         g = f"G{self.grad_bits}" if self.grad_bits is not None else f"G{fp}"
         mode = self.weight_mode
         if mode == "qsdp" and self.weight_rounding == "stochastic":
             mode = "qsdp-sr"
-        return f"{mode}-{w}{g}"
+        return f"{mode}-{w}{g}{self._level_suffix()}"
+
+    def _level_suffix(self) -> str:
+        """``-xW4`` / ``-xG4`` when the outer level's bits differ (``x``: across nodes)."""
+        fmt = lambda b: "F32" if b is None else str(b)  # noqa: E731
+        out = ""
+        if self.outer_weight_bits != self.weight_bits:
+            out += f"-xW{fmt(self.outer_weight_bits)}"
+        if self.outer_grad_bits != self.grad_bits:
+            out += f"-xG{fmt(self.outer_grad_bits)}"
+        return out
 
 
 _NAME = re.compile(r"(?:(qsdp-sr|qsdp|comm|full)-)?W([1-8]|F32|BF16)G([1-8]|F32|BF16)")

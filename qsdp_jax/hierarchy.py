@@ -310,3 +310,16 @@ def mesh_sizes(mesh, config) -> tuple[int, int]:
     devices = mesh.devices.size
     shards = devices if config.node_axis is not None or config.outer_axis is None else mesh.shape[config.axis_name]
     return shards, devices
+
+
+def device_mean(x, config):
+    """Mean of ``x`` over every device of the mesh (the replicated small leaves' gradients).
+
+    1-D: one ``pmean``. Two levels: inside the node (or group) first, then across, so only one
+    all-reduce of the group's partial means crosses the slow link instead of one all-reduce
+    over all devices (the 2-device ring across nodes sends ``x`` once per device, not
+    ``2 (N L - 1) / (N L)`` times).
+    """
+    if config.outer_axis is None:
+        return lax.pmean(x, config.axis_name)
+    return lax.pmean(lax.pmean(x, config.axis_name), config.outer_axis)

@@ -76,6 +76,7 @@ def _mesh_shape(axes, num_devices: int) -> tuple[tuple[str, ...], tuple[int, ...
 
 def _order_devices(devs: list, shape: tuple[int, ...]) -> np.ndarray:
     """Devices in a ``shape`` array, hosts outermost (see :func:`make_mesh`)."""
+    devs = sorted(devs, key=lambda d: (d.process_index, d.id))
     if devs[0].platform != "cpu":
         from jax.experimental import mesh_utils
 
@@ -85,8 +86,7 @@ def _order_devices(devs: list, shape: tuple[int, ...]) -> np.ndarray:
                 (shape[0] // nproc, shape[1]), (nproc, 1), devs, process_is_granule=True
             )
         return mesh_utils.create_device_mesh(shape, devs, allow_split_physical_axes=True)
-    ordered = sorted(devs, key=lambda d: (d.process_index, d.id))
-    return np.array(ordered, dtype=object).reshape(shape)
+    return np.array(devs, dtype=object).reshape(shape)
 
 
 def check_mesh(mesh: Mesh, axis_name: str) -> int:

@@ -44,7 +44,7 @@ from qsdp_jax import optim as qoptim
 from qsdp_jax import quantizers as qz
 from qsdp_jax.collectives import make_gather
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.hierarchy import gather_spec, mesh_sizes
+from qsdp_jax.hierarchy import device_mean, gather_spec, mesh_sizes
 from qsdp_jax.sharding import FlatLayout
 
 PyTree = Any
@@ -266,7 +266,7 @@ def make_train_step(
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
         grads = {
             "sharded": jax.tree.map(lambda g: g / n_dev, grads["sharded"]),
-            "replicated": jax.tree.map(lambda g: lax.pmean(g, batch_axes), grads["replicated"]),
+            "replicated": jax.tree.map(lambda g: device_mean(g, config), grads["replicated"]),
         }
         mask = _sharded_mask(params)
         with qoptim.sharding_context(axis, n, mask):
