@@ -26,10 +26,11 @@ TWO_LEVEL = ["--weight-bits", "8", "--grad-bits", "8", "--mesh", "node=2,local=4
 def test_two_processes_match_one(tmp_path):
     """QSDP W8G8 (4-bit gradients across nodes) on a ("node", "local") = 2 x 4 mesh: 2 processes x
     4 devices train to the losses of 1 process x 8 devices, each process drawing only its own
-    rows of every batch. Step 1's loss (forward only) is bitwise equal; later steps agree to
-    1e-6 relative: the fp32 all-reduces of the replicated small leaves and of the outer level
-    are summed by gloo in another order than by XLA:CPU in one process (seen: 9e-8 relative).
-    The two processes agree with each other bit for bit."""
+    rows of every batch. Step 1's loss (the forward pass) is bitwise equal; later steps agree
+    to 1e-6 relative, not bitwise (seen: 9e-8 relative at step 2). The step's own multi-process
+    test (tests/test_multiproc_2level.py) is bitwise with XLA's backend optimisations off, so
+    the difference is likely how XLA:CPU optimises the 4-device and the 8-device programs (the
+    trainer compiles with the defaults). The two processes agree with each other bit for bit."""
     two = tmp_path / "two"
     res = run_processes("tests.trainer_worker", "train", num_processes=2, devices_per_process=4,
                         kwargs={"argvs": [[*SMALL, *TWO_LEVEL, "--out", str(two)]]},
