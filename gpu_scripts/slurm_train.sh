@@ -17,6 +17,8 @@
 #   QSDP_HEARTBEAT_TIMEOUT_S [10]  seconds before a dead process brings the others down
 # jax.distributed starts from SLURM's variables (qsdp_jax.distributed: JAX's own detection), so
 # no coordinator address is needed. XLA_FLAGS below let collectives overlap compute on GPU.
+# With PROCS=gpu, JAX gives process <SLURM_LOCALID> GPU <SLURM_LOCALID> of the node's visible
+# GPUs: keep --gpus-per-node (do not add --gpus-per-task, which hides the other GPUs).
 #
 #SBATCH --job-name=qsdp-train
 #SBATCH --nodes=2
