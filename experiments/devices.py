@@ -1,8 +1,13 @@
 """Which devices the experiment scripts run on: the real ones, or simulated CPU devices.
 
+* :func:`use_available_devices`: whatever JAX finds (GPU, TPU; on a machine with only a CPU,
+  simulated CPU devices). The trainer, ``make demo``.
+* :func:`simulate_cpu_devices`: N simulated CPU devices, even where an accelerator is present
+  (benchmarks that measure the compiled program, tests, ``--simulate-devices``).
+
 The number of simulated devices (``--xla_force_host_platform_device_count``) is read once, when
-jax initialises its backends, so entry points call :func:`simulate_cpu_devices` before
-importing jax (or anything that imports it).
+jax initialises its backends, so entry points call these before importing jax (or anything
+that imports it).
 """
 
 from __future__ import annotations
