@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from experiments.gpt import GPT, GPTConfig
 from qsdp_jax import comm, optim
 
 SCHEDULES = ("cosine", "constant")
+_LOG = logging.getLogger("qsdp_jax")  # qsdp_jax.distributed.enable_process_log writes it to a file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +230,8 @@ class Trainer:
             )
             if (i + 1) % self.run.eval_every == 0 or i + 1 == self.run.steps:
                 log.val_loss = self.evaluate()
+            _LOG.info("step %d loss %.6f grad_norm %.4f val %s %.3f s", log.step, log.loss,
+                      log.grad_norm, log.val_loss, log.seconds)  # per-process logs, when enabled
             yield log
 
 

@@ -34,7 +34,8 @@ def test_two_processes_match_one(tmp_path):
     change these numbers; whether it reached the compiler was not checked). The two processes agree with each other bit for bit."""
     two = tmp_path / "two"
     res = run_processes("tests.trainer_worker", "train", num_processes=2, devices_per_process=4,
-                        kwargs={"argvs": [[*SMALL, *TWO_LEVEL, "--out", str(two)]]},
+                        kwargs={"argvs": [[*SMALL, *TWO_LEVEL, "--out", str(two),
+                                             "--process-logs", str(tmp_path / "logs")]]},
                         timeout_s=300)
     one = tmp_path / "one"
     assert tg.main([*SMALL, *TWO_LEVEL, "--out", str(one)]) == 0
@@ -47,6 +48,9 @@ def test_two_processes_match_one(tmp_path):
     assert _losses(two) == p0["losses"]  # process 0 wrote the files, whole
     summary = json.loads((two / "summary.json").read_text())
     assert summary["devices"] == "8 cpu devices (simulated, 2 processes)"
+    for i in range(2):  # --process-logs: every process logs its steps to its own file
+        text = (tmp_path / "logs" / f"process_00{i}.log").read_text()
+        assert f" p{i} " in text and "step 3 loss" in text
 
     # the two-level run reports its bytes per mesh axis, and its config names the levels
     summary = json.loads((one / "summary.json").read_text())
