@@ -1,5 +1,6 @@
-"""Reading XLA's optimized HLO text: shapes, replica groups, computations, and where the
-collectives run how often. :mod:`qsdp_jax.comm` turns what this finds into wire bytes.
+"""Reading XLA's optimized HLO text: shapes, replica groups, computations and instructions.
+:mod:`qsdp_jax.hlo_sites` finds where the collectives run and how often; :mod:`qsdp_jax.comm`
+turns that into wire bytes.
 
 How the HLO is read
 -------------------
