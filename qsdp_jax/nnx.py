@@ -162,7 +162,7 @@ class TrainStep:
         self.record.clear()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            jax.eval_shape(self._step, state, batch)
+            jax.eval_shape(lambda s, b: self._step(s, b), state, batch)  # a fresh trace
         rows = [f"{'group':<16}{'layers':>7}  {'gathered':<11}{'held at once':>14}  note"]
         peak = 0
         for g in state.layout.groups:

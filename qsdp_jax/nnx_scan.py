@@ -8,7 +8,9 @@ model's cached ``GraphDef`` in which
   any parameter of the group is read (``ParamAccess.gather``), so the gathers sit where the
   forward first needs each group;
 * the non-parameter variables hold the carried model state; RNG keys are folded with the step
-  and the device index, so every stream is a pure function of (seed, step, device).
+  and the device index, so every stream is a pure function of (seed, step, device);
+* every ``nnx.BatchNorm`` without an ``axis_name`` gets the mesh axis (synchronised batch
+  norm), so its statistics, like every gradient, are those of the global batch.
 
 :func:`scan` is exactly ``nnx.scan`` outside the step. Inside it, given a layer stack of the
 module, it runs the same function one layer at a time through ``ParamAccess.scan``: each layer's
@@ -107,8 +109,9 @@ class StepContext:
                 value = fold_keys(jax.random.wrap_key_data(value, impl=spec.key_impl), step, device)
             others.append((spec.path, spec.make(value)))
         module = nnx.merge(
-            self.mdef.graphdef, nnx.State.from_flat_path(params), nnx.State.from_flat_path(others)
+            self.mdef.graphdef, nnx.from_flat_state(params), nnx.from_flat_state(others)
         )
+        sync_batch_norm(module, self.axis)
         for g in self.mdef.groups:
             if g.stacked:
                 self.stacks[id(submodule(module, g.path))] = g
@@ -118,7 +121,7 @@ class StepContext:
         """The model state after the loss: batch statistics averaged over the devices, RNG
         state as it came in (the streams advance with the step), other variables as computed."""
         out = {}
-        for path, var in nnx.state(module, nnx.Not(nnx.Param)).flat_state():
+        for path, var in nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param))):
             key = path_str(path)
             if isinstance(var, nnx.RngState):
                 out[key] = values[key]
@@ -143,6 +146,14 @@ def current() -> StepContext | None:
     """The sharded step being traced, if any."""
     stack = getattr(_ACTIVE, "stack", [])
     return stack[-1] if stack else None
+
+
+def sync_batch_norm(module: nnx.Module, axis: str) -> None:
+    """Give every ``nnx.BatchNorm`` without an ``axis_name`` the mesh axis: its statistics are
+    then those of the global batch (the step computes what one device would on that batch)."""
+    for _, m in nnx.iter_modules(module):
+        if isinstance(m, nnx.BatchNorm) and m.axis_name is None:
+            m.axis_name = axis
 
 
 def fold_keys(keys: jax.Array, step, device) -> jax.Array:
@@ -194,7 +205,7 @@ def _check_stacks(args, axes, skip):
     for i, (a, x) in enumerate(zip(axes, args)):
         if i in skip or a != 0 or not isinstance(x, nnx.Module):
             continue
-        shapes = [jnp.shape(v.get_raw_value()) for _, v in nnx.state(x).flat_state()]
+        shapes = [jnp.shape(v.get_raw_value()) for _, v in nnx.to_flat_state(nnx.state(x))]
         leading = {s[0] if s else None for s in shapes}
         if not shapes or None in leading or len(leading) != 1:
             raise ValueError(
@@ -221,7 +232,7 @@ def _sharded_scan(ctx: StepContext, f, args, axes, out_axes, registered, length,
     xs_at = [i for i, a in enumerate(axes) if a == 0 and i != mi]
     stack = args[mi]
     layer_gd, layer_specs = ctx.mdef.layer_defs[group.name]
-    rest = {path_str(p): v.get_value() for p, v in nnx.state(stack, nnx.Not(nnx.Param)).flat_state()}
+    rest = {path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(stack, nnx.Not(nnx.Param)))}
 
     def body(carry, layer_params, x):
         xs, rest_l = x
@@ -234,19 +245,20 @@ def _sharded_scan(ctx: StepContext, f, args, axes, out_axes, registered, length,
             else:
                 value = rest_l[path_str(rel)]
             items.append((rel, spec.make(value)))
-        layer = nnx.merge(layer_gd, nnx.State.from_flat_path(items))
+        layer = nnx.merge(layer_gd, nnx.from_flat_state(items))
+        sync_batch_norm(layer, ctx.axis)
         call = list(args)
         call[ci], call[mi] = carry, layer
         for j, i in enumerate(xs_at):
             call[i] = xs[j]
         new_carry, ys = _split_out(f(*call), out_axes)
-        new_rest = {path_str(p): v.get_value() for p, v in nnx.state(layer, nnx.Not(nnx.Param)).flat_state()}
+        new_rest = {path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(layer, nnx.Not(nnx.Param)))}
         return new_carry, (ys, new_rest)
 
     carry, (ys, new_rest) = ctx.access.scan(group.name, body, args[ci], (tuple(args[i] for i in xs_at), rest))
     ctx.record[group.name] = "per layer"
     state = nnx.state(stack, nnx.Not(nnx.Param))
-    for p, v in state.flat_state():
+    for p, v in nnx.to_flat_state(state):
         if not isinstance(v, nnx.RngState):
             v.set_value(new_rest[path_str(p)])
     nnx.update(stack, state)

@@ -103,8 +103,8 @@ def describe(model: nnx.Module, stacked: Sequence[str] | None = None) -> ModelDe
     if not isinstance(model, nnx.Module):
         raise TypeError(f"expected an nnx.Module, got {type(model).__name__}")
     graphdef, params, others = nnx.split(model, nnx.Param, ...)
-    pspecs = tuple(_spec(p, v) for p, v in params.flat_state())
-    ospecs = tuple(_spec(p, v) for p, v in others.flat_state())
+    pspecs = tuple(_spec(p, v) for p, v in nnx.to_flat_state(params))
+    ospecs = tuple(_spec(p, v) for p, v in nnx.to_flat_state(others))
     if not pspecs:
         raise ValueError(
             f"{type(model).__name__} has no nnx.Param: there is nothing to shard or train "
@@ -166,7 +166,7 @@ def _layer_def(stack: nnx.Module, prefix: Path):
     """(graphdef, {relative path: VarSpec of ONE layer}) of a layer stack."""
     graphdef, state = nnx.split(stack)
     specs = {}
-    for p, v in state.flat_state():
+    for p, v in nnx.to_flat_state(state):
         s = _spec(p, v)
         specs[tuple(p)] = dataclasses.replace(s, shape=s.shape[1:])
     return graphdef, specs
@@ -192,7 +192,7 @@ def model_state(model: nnx.Module, mdef: ModelDef) -> dict[str, jax.Array]:
     """The non-parameter variables as ``{"a/b": array}`` (RNG keys as raw key data)."""
     others = nnx.state(model, nnx.Not(nnx.Param))
     out = {}
-    for p, v in others.flat_state():
+    for p, v in nnx.to_flat_state(others):
         value = v.get_raw_value()
         if isinstance(v, nnx.RngKey):
             value = jax.random.key_data(value)
@@ -203,7 +203,7 @@ def model_state(model: nnx.Module, mdef: ModelDef) -> dict[str, jax.Array]:
 def set_params(model: nnx.Module, mdef: ModelDef, groups: dict[str, PyTree]) -> None:
     """Write group parameters (as from :func:`group_params`) into ``model`` in place."""
     state = nnx.state(model, nnx.Param)
-    for path, var in state.flat_state():
+    for path, var in nnx.to_flat_state(state):
         g = mdef.group_of(tuple(path))
         node = groups[g.name]
         for k in tuple(path)[len(g.path):]:
@@ -215,7 +215,7 @@ def set_params(model: nnx.Module, mdef: ModelDef, groups: dict[str, PyTree]) -> 
 def set_model_state(model: nnx.Module, mdef: ModelDef, values: dict[str, jax.Array]) -> None:
     """Write a flat model state (as from :func:`model_state`) into ``model`` in place."""
     state = nnx.state(model, nnx.Not(nnx.Param))
-    for path, var in state.flat_state():
+    for path, var in nnx.to_flat_state(state):
         value = values[path_str(path)]
         if isinstance(var, nnx.RngKey):
             value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(var.get_raw_value()))
