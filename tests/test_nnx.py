@@ -90,23 +90,26 @@ def _stacked_batch(i):
 def _reference(model, loss_fn, batches, lr):
     """The single-device run: nnx + optax on the global batch."""
     opt = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
-    losses = []
-    for b in batches:
+
+    @nnx.jit
+    def train_step(model, opt, b):
         loss, grads = nnx.value_and_grad(loss_fn)(model, b)
         opt.update(model, grads)
-        losses.append(float(loss))
-    return losses
+        return loss
+
+    return [float(train_step(model, opt, b)) for b in batches]
 
 
 def _sharded(model, loss_fn, batches, mesh, config, lr, **kw):
     opt = q.optim.qsdp(optax.adam(lr), config)
     state = qnnx.init_state(model, opt, mesh, config)
     step = qnnx.make_train_step(model, loss_fn, opt, mesh, config, **kw)
+    compiled = step.lower(state, batches[0]).compile()  # compiled once, also for comm_report
     losses = []
     for b in batches:
-        state, metrics = step(state, b)
+        state, metrics = compiled(state, b)
         losses.append(float(metrics["loss"]))
-    return losses, state, step
+    return losses, state, step, compiled
 
 
 def _params(model):
@@ -129,7 +132,7 @@ def test_list_mlp_with_a_7x13_parameter_matches_one_device(mesh):
     cfg = q.QSDPConfig.fp32(**SMALL)
     batches = [_mlp_batch(i) for i in range(3)]
     model = ListMLP(nnx.Rngs(0))
-    losses, state, _ = _sharded(model, mse, batches, mesh, cfg, 1e-2)
+    losses, state, *_ = _sharded(model, mse, batches, mesh, cfg, 1e-2)
     assert state.layout.group("odd").is_sharded and state.layout.group("odd").real_size == 91
     ref = ListMLP(nnx.Rngs(0))
     ref_losses = _reference(ref, mse, batches, 1e-2)
@@ -144,7 +147,7 @@ def test_bf16_params(mesh):
     batches = [_mlp_batch(0, jnp.bfloat16)] * 4
     model = ListMLP(nnx.Rngs(0), jnp.bfloat16)
     first = float(mse(model, batches[0]))
-    losses, state, _ = _sharded(model, mse, batches, mesh, cfg, 3e-2)
+    losses, state, *_ = _sharded(model, mse, batches, mesh, cfg, 3e-2)
     np.testing.assert_allclose(losses[0], first, rtol=2e-2)  # bf16 forward; weights on the grid
     assert losses[-1] < losses[0]
     qnnx.update(model, state)
@@ -157,13 +160,13 @@ def test_stacked_model_matches_one_device_and_gathers_per_layer(mesh):
     model = Stacked(nnx.Rngs(0))
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*gathered whole")  # none with the drop-in
-        losses, state, step = _sharded(model, mse, batches, mesh, cfg, 1e-2, donate=False)
+        losses, state, step, compiled = _sharded(model, mse, batches, mesh, cfg, 1e-2)
     ref = Stacked(nnx.Rngs(0))
     np.testing.assert_allclose(losses, _reference(ref, mse, batches, 1e-2), rtol=1e-5)
     qnnx.update(model, state)
     chex.assert_trees_all_close(_params(model), _params(ref), rtol=1e-5, atol=1e-6)
     # forward and rematerialising backward loops, each one layer's gather per iteration
-    report = comm.comm_report(step, state, batches[0])
+    report = comm.comm_report(compiled)
     one_layer = 4 * state.layout.group("blocks").flat_size
     loops = [c for c in report.collectives if c.kind == "all-gather" and c.count == 3]
     assert len(loops) == 2 and all(c.payload_bytes == one_layer for c in loops)
@@ -175,7 +178,7 @@ def test_plain_nnx_scan_gathers_the_whole_stack_and_says_so(mesh):
     batches = [_stacked_batch(0)]
     model = Stacked(nnx.Rngs(0), scan=nnx.scan)
     with pytest.warns(UserWarning, match=r"\['blocks'\] are gathered whole"):
-        losses, state, step = _sharded(model, mse, batches, mesh, cfg, 1e-2, donate=False)
+        losses, state, step, compiled = _sharded(model, mse, batches, mesh, cfg, 1e-2)
     np.testing.assert_allclose(losses, _reference(Stacked(nnx.Rngs(0)), mse, batches, 1e-2), rtol=1e-5)
     text = step.summary(state, batches[0])
     per_layer = 4 * state.layout.group("blocks").flat_size
@@ -227,7 +230,7 @@ def test_batchnorm_statistics_match_one_device(mesh):
     batches = [{"x": 3.0 + _stacked_batch(i)["x"] * (1 + jnp.arange(16.0))[:, None],
                 "y": _stacked_batch(i)["y"]} for i in range(3)]
     model = BNNet(nnx.Rngs(0))
-    losses, state, _ = _sharded(model, mse, batches, mesh, cfg, 1e-2)
+    losses, state, *_ = _sharded(model, mse, batches, mesh, cfg, 1e-2)
     ref = BNNet(nnx.Rngs(0))
     np.testing.assert_allclose(losses, _reference(ref, mse, batches, 1e-2), rtol=1e-5)
     assert set(state.model_state) == {"bn/mean", "bn/var"}
