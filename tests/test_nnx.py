@@ -120,6 +120,9 @@ def test_groups_and_stacks_come_from_the_module():
     groups = {g.name: g for g in describe(ListMLP(nnx.Rngs(0))).groups}
     assert sorted(groups) == ["blocks/0", "blocks/1", "blocks/2", "odd", "proj"]
     assert not any(g.stacked for g in groups.values())
+    model = nnx.Module()
+    model.parts = nnx.Dict(enc=nnx.Linear(3, 4, rngs=nnx.Rngs(0)), dec=nnx.Linear(4, 3, rngs=nnx.Rngs(1)))
+    assert [g.name for g in describe(model).groups] == ["parts/dec", "parts/enc"]
     groups = {g.name: g for g in describe(Stacked(nnx.Rngs(0))).groups}
     assert sorted(groups) == ["blocks", "inp", "out"]
     assert groups["blocks"].stacked and groups["blocks"].n_layers == 3
@@ -185,7 +188,7 @@ def test_plain_nnx_scan_gathers_the_whole_stack_and_says_so(mesh):
     assert f"whole stack: {3 * per_layer / 2**20:.3f} MiB instead of {per_layer / 2**20:.3f} MiB" in text
 
 
-def _dropout_run(mesh, steps=2):
+def _dropout_run(mesh, steps=2, resume=False):
     cfg = q.QSDPConfig.fp32(bucket_size=64, min_shard_size=128)
     model = Stacked(nnx.Rngs(0, dropout=1), dropout=0.5)
     model.top = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=2))
@@ -200,6 +203,8 @@ def _dropout_run(mesh, steps=2):
     x = jnp.broadcast_to(_stacked_batch(0)["x"][:1], (16, 4))  # the same example everywhere
     out = []
     for _ in range(steps):
+        if resume:  # as restored from a checkpoint: every array through the host
+            state = jax.tree.map(lambda a: jax.device_put(np.asarray(a), a.sharding), state)
         state, metrics, masks = step(state, {"x": x, "y": jnp.zeros(16)})
         out.append((float(metrics["loss"]), np.asarray(masks).reshape(N, 2, 64)))
     return out
@@ -210,7 +215,7 @@ def test_dropout_differs_by_device_and_step_and_repeats_on_rerun(mesh):
     masks0, masks1 = run[0][1], run[1][1]
     assert len({m.tobytes() for m in masks0[:, 0]}) == N  # each device its own mask
     assert not np.array_equal(masks0, masks1)  # and a new one each step
-    again = _dropout_run(mesh)
+    again = _dropout_run(mesh, resume=True)  # a rerun, resumed after every step
     for (l_a, m_a), (l_b, m_b) in zip(run, again):
         assert l_a == l_b and np.array_equal(m_a, m_b)  # a pure function of (seed, step, device)
 
