@@ -118,6 +118,7 @@ class TrainStep:
 
     def _step(self, state: train.TrainState, batch):
         self._check_layout(state)
+        self.record.clear()  # filled while this trace runs the loss
         tile = lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (self.n, *jnp.shape(x)))  # noqa: E731
         extra = {"state": jax.tree.map(tile, state.model_state or {}), "step": tile(state.step)}
         xbatch = {"batch": batch, "extra": extra}
@@ -159,7 +160,6 @@ class TrainStep:
 
     def summary(self, state: train.TrainState, batch: PyTree) -> str:
         """How each group is gathered in this step, and the peak bytes of gathered weights."""
-        self.record.clear()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             jax.eval_shape(lambda s, b: self._step(s, b), state, batch)  # a fresh trace

@@ -7,9 +7,11 @@ its non-parameter state.
 * **Layer stacks**: a group is a stack of layers (as ``nnx.vmap`` + ``nnx.split_rngs`` make
   them) when it holds at least two parameters, every parameter has at least two dimensions and
   every variable in it (parameters, batch statistics, RNG keys and counts) shares one leading
-  size, the layer count. An unstacked module almost always has a 1-D parameter (a bias, a norm
-  scale) or parameters of different leading sizes; name the stacks yourself (``stacked=``)
-  where the rule guesses wrong.
+  size, the layer count, and no flax layer in it (``nnx.Linear``, ``nnx.Embed``, the norms)
+  holds a parameter of exactly its declared shape (an ``nnx.Embed`` table next to a position
+  table of the same length is not a stack). An unstacked module almost always has a 1-D
+  parameter (a bias, a norm scale) or parameters of different leading sizes; name the stacks
+  yourself (``stacked=``) where the rule guesses wrong.
 * **Model state**: every variable that is not an ``nnx.Param``, as a flat dict
   ``{"a/b/c": array}``: batch statistics and counters (updated by the step), RNG keys (kept as
   raw key data, so the state holds plain arrays) and RNG counts.
@@ -127,7 +129,7 @@ def describe(model: nnx.Module, stacked: Sequence[str] | None = None) -> ModelDe
     for name, prefix in sorted(names.items()):
         inside = lambda specs: [s for s in specs if s.path[: len(prefix)] == prefix]  # noqa: E731
         p_in, o_in = inside(pspecs), inside(ospecs)
-        n = _layer_count(p_in, o_in)
+        n = _layer_count(p_in, o_in, _declared_evidence(_submodule(model, prefix)))
         is_stacked = (n is not None) if stacked is None else name in stacked
         if is_stacked and n is None:
             raise ValueError(
@@ -140,8 +142,40 @@ def describe(model: nnx.Module, stacked: Sequence[str] | None = None) -> ModelDe
     return ModelDef(graphdef, tuple(groups), pspecs, ospecs, layer_defs)
 
 
-def _layer_count(params: list[VarSpec], others: list[VarSpec]) -> int | None:
+def _declared_evidence(node) -> set:
+    """What flax's own layers in ``node`` say: their parameters' declared shapes against the
+    actual ones. ``{None}``: a layer holds exactly its declared shape (not a stack); ``{n}``:
+    an extra leading axis of ``n`` (a stack). Empty when ``node`` holds no such layer."""
+    if not isinstance(node, nnx.Module):
+        return set()
+    evidence = set()
+    for _, m in nnx.iter_modules(node):
+        for name, declared in _declared_shapes(m).items():
+            var = getattr(m, name, None)
+            if not isinstance(var, nnx.Variable):
+                continue
+            shape = tuple(jnp.shape(var.get_raw_value()))
+            if shape == declared:
+                evidence.add(None)
+            elif shape[1:] == declared:
+                evidence.add(shape[0])
+    return evidence
+
+
+def _declared_shapes(m) -> dict[str, tuple]:
+    if type(m) is nnx.Linear:
+        return {"kernel": (m.in_features, m.out_features), "bias": (m.out_features,)}
+    if type(m) is nnx.Embed:
+        return {"embedding": (m.num_embeddings, m.features)}
+    if type(m) in (nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm) and isinstance(m.num_features, int):
+        return {k: (m.num_features,) for k in ("scale", "bias", "mean", "var")}
+    return {}
+
+
+def _layer_count(params: list[VarSpec], others: list[VarSpec], evidence: set = frozenset()) -> int | None:
     """The layer count if these variables look like a layer stack (see module docstring)."""
+    if None in evidence or len(evidence) > 1:
+        return None
     if len(params) < 2 or any(len(s.shape) < 2 for s in params):
         return None
     if any(len(s.shape) < 1 for s in others):

@@ -127,6 +127,14 @@ def test_groups_and_stacks_come_from_the_module():
     assert sorted(groups) == ["blocks", "inp", "out"]
     assert groups["blocks"].stacked and groups["blocks"].n_layers == 3
     assert not groups["inp"].stacked and not groups["out"].stacked
+    model = nnx.Module()  # tables of one leading size, all 2-D: not a stack (flax says so)
+    model.embed = nnx.Module()
+    model.embed.tok, model.embed.pos = nnx.Embed(64, 8, rngs=nnx.Rngs(0)), nnx.Embed(64, 8, rngs=nnx.Rngs(1))
+    assert [(g.name, g.stacked) for g in describe(model).groups] == [("embed", False)]
+    from experiments.gpt import GPTConfig
+    from experiments.gpt_nnx import GPTModel
+    medium = nnx.eval_shape(lambda: GPTModel(GPTConfig.from_preset("medium"), rngs=nnx.Rngs(0)))
+    assert [(g.name, g.n_layers) for g in describe(medium).groups if g.stacked] == [("blocks", 8)]
 
 
 def test_list_mlp_with_a_7x13_parameter_matches_one_device(mesh):
