@@ -193,7 +193,8 @@ def _split_loss(out, has_aux: bool):
         loss, aux = out, None
     if isinstance(out, tuple) and not has_aux:
         raise ValueError("loss_fn returned a tuple: return a scalar loss, or (loss, aux) with has_aux=True")
-    if not hasattr(loss, "shape") or jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+    floating = hasattr(loss, "dtype") and jnp.issubdtype(jnp.result_type(loss), jnp.floating)
+    if not floating or jnp.shape(loss) != ():
         raise ValueError(
             f"loss_fn must return a scalar floating loss (the mean over the local batch); got "
             f"shape {jnp.shape(loss)} dtype {jnp.result_type(loss)}"

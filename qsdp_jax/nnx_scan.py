@@ -232,7 +232,7 @@ def _sharded_scan(ctx: StepContext, f, args, axes, out_axes, registered, length,
     xs_at = [i for i, a in enumerate(axes) if a == 0 and i != mi]
     stack = args[mi]
     layer_gd, layer_specs = ctx.mdef.layer_defs[group.name]
-    rest = {path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(stack, nnx.Not(nnx.Param)))}
+    rest = _values(stack)
 
     def body(carry, layer_params, x):
         xs, rest_l = x
@@ -252,7 +252,7 @@ def _sharded_scan(ctx: StepContext, f, args, axes, out_axes, registered, length,
         for j, i in enumerate(xs_at):
             call[i] = xs[j]
         new_carry, ys = _split_out(f(*call), out_axes)
-        new_rest = {path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(layer, nnx.Not(nnx.Param)))}
+        new_rest = _values(layer)
         return new_carry, (ys, new_rest)
 
     carry, (ys, new_rest) = ctx.access.scan(group.name, body, args[ci], (tuple(args[i] for i in xs_at), rest))
@@ -263,6 +263,11 @@ def _sharded_scan(ctx: StepContext, f, args, axes, out_axes, registered, length,
             v.set_value(new_rest[path_str(p)])
     nnx.update(stack, state)
     return _join_out(carry, ys, out_axes)
+
+
+def _values(module) -> dict:
+    """``{"a/b": value}`` of a module's non-parameter variables."""
+    return {path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param)))}
 
 
 def _split_out(out, out_axes):
