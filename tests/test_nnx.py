@@ -233,8 +233,10 @@ class BNNet(nnx.Module):
         self.lin = nnx.Linear(4, 8, use_bias=False, rngs=rngs)  # a bias before BN has no gradient
         self.bn = nnx.BatchNorm(8, momentum=0.5, rngs=rngs)
         self.out = nnx.Linear(8, 1, rngs=rngs)
+        self.calls = nnx.Variable(jnp.zeros((), jnp.int32))  # a counter: carried, not averaged
 
     def __call__(self, x):
+        self.calls[...] = self.calls[...] + 1
         return self.out(jax.nn.relu(self.bn(self.lin(x))))[:, 0]
 
 
@@ -246,7 +248,8 @@ def test_batchnorm_statistics_match_one_device(mesh):
     losses, state, *_ = _sharded(model, mse, batches, mesh, cfg, 1e-2)
     ref = BNNet(nnx.Rngs(0))
     np.testing.assert_allclose(losses, _reference(ref, mse, batches, 1e-2), rtol=1e-5)
-    assert set(state.model_state) == {"bn/mean", "bn/var"}
+    assert set(state.model_state) == {"bn/mean", "bn/var", "calls"}
+    assert int(state.model_state["calls"]) == 3 == int(ref.calls[...])
     qnnx.update(model, state)
     stats = lambda m: nnx.to_pure_dict(nnx.state(m, nnx.BatchStat))  # noqa: E731
     chex.assert_trees_all_close(stats(model), stats(ref), rtol=1e-5, atol=1e-6)
