@@ -282,3 +282,15 @@ def test_clear_errors(mesh):
     step = qnnx.make_train_step(model, scans_a_linear, opt, mesh, cfg, donate=False)
     with pytest.raises(ValueError, match=r"argument 1 \(Linear\).*not a layer stack"):
         step(state, _mlp_batch(0))  # inside it
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"], ids=["export-tpu", "export-cuda"])
+def test_the_step_lowers_for_accelerators(mesh, platform):
+    """The NNX step (QSDP W8G8, drop-in scan, dropout) exports for hardware we do not have."""
+    cfg = q.QSDPConfig.qsdp(8, 8, bucket_size=64, min_shard_size=128)
+    model = Stacked(nnx.Rngs(0), dropout=0.1)
+    opt = q.optim.qsdp(optax.adam(1e-3), cfg)
+    state = jax.eval_shape(lambda: qnnx.init_state(model, opt, mesh, cfg))
+    step = qnnx.make_train_step(model, mse, opt, mesh, cfg)
+    exported = jax.export.export(step._jitted, platforms=[platform])(state, _stacked_batch(0))
+    assert exported.platforms == (platform,) and "all_gather" in exported.mlir_module()
