@@ -15,7 +15,7 @@ Usage::
     qsdp_jax.nnx.update(model, state)                          # weights back into the module
 
 The parameter groups (the unit of one gather), the layer stacks and the model state come from
-the module tree (``qsdp_jax.nnx_tree``). The step is ``qsdp_jax.make_train_step`` with a loss
+the module tree (``qsdp_jax.nnx_tree``; ``describe(model).groups`` lists what was found). The step is ``qsdp_jax.make_train_step`` with a loss
 that merges the module from its cached ``GraphDef`` with parameters gathered on first read
 (``qsdp_jax.nnx_scan``). Layer stacks are gathered one layer at a time where the forward
 scans them with :func:`scan` (the ``nnx.scan`` drop-in); read any other way a stack is
@@ -45,10 +45,12 @@ from qsdp_jax import train
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.nnx_scan import scan  # noqa: F401  (re-exported: qsdp_jax.nnx.scan)
 from qsdp_jax.nnx_scan import StepContext
-from qsdp_jax.nnx_tree import ModelDef, describe, group_params, model_state, set_model_state, set_params
+from qsdp_jax.nnx_tree import ModelDef, describe, group_params, model_state, set_model_state, set_params  # noqa: F401
 from qsdp_jax.sharding import check_mesh
 
 PyTree = Any
+
+__all__ = ["TrainStep", "describe", "init_state", "make_eval_step", "make_train_step", "scan", "update"]
 
 
 def init_state(
