@@ -116,7 +116,7 @@ def describe(model: nnx.Module, stacked: Sequence[str] | None = None) -> ModelDe
     for spec in pspecs:
         head = spec.path[:1]
         container = getattr(model, str(head[0]), None) if not isinstance(head[0], int) else None
-        if len(spec.path) > 1 and isinstance(container, (nnx.List, nnx.Dict)):
+        if len(spec.path) > 1 and isinstance(container, (nnx.List, nnx.Dict, list, tuple, dict)):
             head = spec.path[:2]
         if head not in prefixes:
             prefixes.append(head)
@@ -187,7 +187,7 @@ def _layer_count(params: list[VarSpec], others: list[VarSpec], evidence: set = f
 def _submodule(model, path: Path):
     node = model
     for k in path:
-        node = node[k] if isinstance(node, (nnx.List, nnx.Dict)) else getattr(node, str(k))
+        node = node[k] if isinstance(node, (nnx.List, nnx.Dict, list, tuple, dict)) else getattr(node, str(k))
     return node
 
 
