@@ -83,23 +83,56 @@ def axis_table(axis_bytes: Mapping[str, Mapping[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def step_table(doc: Mapping[str, Any], axis_bytes: Mapping[str, Mapping[str, float]],
+               devices_per_process: int) -> str:
+    """bandwidth x config: step time, speedup over fp32, inter-node MB per process per step and
+    the ideal time to send them over one direction of a host's link at that rate."""
+    head = (f"{'bandwidth':<12} {'config':<15} {'step [s]':>9} {'IQR [s]':>8} {'n':>3} "
+            f"{'vs fp32':>8} {'inter-node MB':>14} {'ideal inter [s]':>16}")
+    lines = [head, "-" * len(head)]
+    for b in doc["bandwidths"]:
+        label = _bw_label(b["bandwidth_mbit"])
+        if "error" in b:
+            lines.append(f"{label:<12} FAILED: {b['error'].splitlines()[0][:100]}")
+            continue
+        for name, c in b["configs"].items():
+            inter = inter_node_bytes(axis_bytes.get(name, {})) * devices_per_process
+            ideal = "-" if b["bandwidth_mbit"] is None else f"{inter * 8 / (b['bandwidth_mbit'] * 1e6):.3f}"
+            sp = c.get("speedup_vs_fp32")
+            lines.append(f"{label:<12} {name:<15} {c['median_s']:9.3f} {c['iqr_s']:8.3f} {c['n']:>3} "
+                         f"{'-' if sp is None else f'{sp:.2f}x':>8} {inter / 1e6:14.2f} {ideal:>16}")
+            label = ""
+    return "\n".join(lines)
+
+
 def _measure(bw, args, kwargs) -> dict[str, Any]:
     from experiments.multiproc import run_processes
-    from experiments.netns import shaped_namespace
+    from experiments.netns import HOST_ADDR, shaped_namespace, veth_namespaces
 
-    run = lambda ns: run_processes(  # noqa: E731
-        WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
-        devices_per_process=args.devices_per_process, netns=ns, timeout_s=args.timeout,
-    )
     t0 = time.perf_counter()
-    if bw is None and args.no_netns:
-        return {"bandwidth_mbit": None, "netns": None, "processes": run(None),
+    if args.no_netns:
+        procs = run_processes(WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
+                              devices_per_process=args.devices_per_process, timeout_s=args.timeout)
+        return {"bandwidth_mbit": None, "netns": None, "processes": procs,
                 "wall_s": time.perf_counter() - t0}
-    with shaped_namespace(name_prefix="qsdp2lvl", rate_mbit=bw, mtu=args.mtu,
-                          burst_kb=args.burst_kb) as ns:
-        procs = run(ns)
-        name = ns.name
-    return {"bandwidth_mbit": bw, "netns": name, "processes": procs, "wall_s": time.perf_counter() - t0}
+    if args.link == "loopback":  # bench_network's setup: every byte through one shaped queue
+        with shaped_namespace(name_prefix="qsdp2lvl", rate_mbit=bw, mtu=args.mtu,
+                              burst_kb=args.burst_kb) as ns:
+            procs = run_processes(WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
+                                  devices_per_process=args.devices_per_process, netns=ns,
+                                  timeout_s=args.timeout)
+            names = ns.name
+    else:  # one namespace per process: only inter-process (inter-node) traffic is shaped
+        addrs = [HOST_ADDR.format(i + 1) for i in range(args.num_processes)]
+        env = {"QSDP_COORDINATOR_HOST": addrs[0], "QSDP_GLOO_HOSTS": ",".join(addrs)}
+        with veth_namespaces(args.num_processes, rate_mbit=bw, name_prefix="qsdp2lvl",
+                             mtu=args.mtu, burst_kb=args.burst_kb) as hosts:
+            procs = run_processes(WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
+                                  devices_per_process=args.devices_per_process, netns=hosts,
+                                  timeout_s=args.timeout, extra_env=env)
+            names = [h.name for h in hosts]
+    return {"bandwidth_mbit": bw, "netns": names, "processes": procs,
+            "wall_s": time.perf_counter() - t0}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -110,6 +143,10 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--bandwidths", nargs="+", default=["100", "none"])
     p.add_argument("--no-netns", action="store_true", help="unshaped only, no namespace")
+    p.add_argument("--link", choices=["veth", "loopback"], default="veth",
+                   help="veth: one namespace per process, only inter-process traffic shaped "
+                        "(each direction of each host's link at the rate); loopback: "
+                        "bench_network's single shaped loopback (all traffic, all directions)")
     p.add_argument("--num-processes", type=int, default=2)
     p.add_argument("--devices-per-process", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
@@ -160,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              *(argv if argv is not None else sys.argv[1:])]),
         "mesh": ok[0]["processes"][0]["mesh"] if ok else None,
         "devices_per_process": args.devices_per_process,
+        "link": "none" if args.no_netns else args.link,
         "configs_spec": ({n: c["spec"] for n, c in ok[0]["processes"][0]["configs"].items()}
                          if ok else {}),
         "bytes_by_axis": axis_bytes,
@@ -171,7 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc["twolevel_targets"] = evaluate(doc, axis_bytes)
     doc = _clean_floats(doc)
     print()
-    print(format_table(doc))
+    if args.link == "loopback" or args.no_netns:
+        print(format_table(doc))
+    else:
+        print(step_table(doc, axis_bytes, args.devices_per_process))
+        print("inter-node MB: bytes one process sends to the other per step (node-axis "
+              "collectives, HLO); each host link is shaped per direction at the rate.")
     print()
     print("wire bytes per device per step, by the mesh axes each collective spans:")
     print(axis_table(axis_bytes))

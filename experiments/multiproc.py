@@ -266,6 +266,10 @@ def run_processes(
     kwargs = dict(kwargs or {})
     kwargs_json = json.dumps(kwargs)  # fail early on non-serialisable kwargs
     ns_name = getattr(netns, "name", netns)
+    if isinstance(netns, (list, tuple)):  # one namespace per process (see _worker_main)
+        if len(netns) != num_processes:
+            raise ValueError(f"netns holds {len(netns)} namespaces for {num_processes} processes")
+        ns_name = tuple(getattr(x, "name", x) for x in netns)
     if ns_name is not None and shutil.which("ip") is None:
         raise WorkerError("netns given but 'ip' is not on PATH")
     if threads_per_process is None:
@@ -273,7 +277,9 @@ def run_processes(
 
     attempts = 1 if port is not None else 2
     for attempt in range(attempts):
-        use_port = port if port is not None else find_free_port(ns_name)
+        coord_ns = ns_name[0] if isinstance(ns_name, tuple) else ns_name
+        coord_host = dict(extra_env or {}).get("QSDP_COORDINATOR_HOST", "127.0.0.1")
+        use_port = port if port is not None else find_free_port(coord_ns, coord_host)
         try:
             return _run_once(
                 module, func, num_processes, kwargs_json, devices_per_process, ns_name,
@@ -313,8 +319,9 @@ def _run_once(module, func, n, kwargs_json, devices, ns_name, timeout_s, port, t
                     "--init-timeout", str(max(10, int(timeout_s))),
                     "--run-id", run_id, "--parent-pid", str(os.getpid()),
                 ]
-                if ns_name is not None:
-                    cmd = ["ip", "netns", "exec", ns_name] + cmd
+                ns_i = ns_name[i] if isinstance(ns_name, tuple) else ns_name
+                if ns_i is not None:
+                    cmd = ["ip", "netns", "exec", ns_i] + cmd
                 out_p, err_p = tmpdir / f"p{i}.out", tmpdir / f"p{i}.err"
                 with open(out_p, "wb") as fo, open(err_p, "wb") as fe:
                     popen = subprocess.Popen(
@@ -387,7 +394,7 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"{type(o).__name__} is not JSON serialisable")
 
 
-def _pin_gloo_to_loopback() -> None:
+def _pin_gloo_to_loopback(host: str = "127.0.0.1") -> None:
     """Make gloo bind/advertise 127.0.0.1 instead of ``gethostname()``'s address.
 
     jax creates the gloo TCP collectives without a hostname/interface, so gloo
@@ -406,7 +413,7 @@ def _pin_gloo_to_loopback() -> None:
 
         def pinned(distributed_client, hostname=None, interface=None):
             if hostname is None and interface is None:
-                hostname = "127.0.0.1"
+                hostname = host
             return orig(distributed_client=distributed_client, hostname=hostname, interface=interface)
 
         pinned._qsdp_pinned = True
@@ -441,11 +448,15 @@ def _worker_main(argv: Sequence[str]) -> int:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    _pin_gloo_to_loopback()
+    # QSDP_COORDINATOR_HOST / QSDP_GLOO_HOSTS (comma-separated, one per process): addresses
+    # for runs with one network namespace per process (experiments.netns.veth_namespaces)
+    coord = os.environ.get("QSDP_COORDINATOR_HOST", "127.0.0.1")
+    gloo_hosts = os.environ.get("QSDP_GLOO_HOSTS", "").split(",")
+    _pin_gloo_to_loopback(gloo_hosts[a.process_id] if len(gloo_hosts) > a.process_id and gloo_hosts[a.process_id] else "127.0.0.1")
     jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{a.port}",
+        coordinator_address=f"{coord}:{a.port}",
         # default is "[::]:port" = every interface of the machine; keep it local
-        coordinator_bind_address=f"127.0.0.1:{a.port}",
+        coordinator_bind_address=f"{coord}:{a.port}",
         num_processes=a.num_processes,
         process_id=a.process_id,
         initialization_timeout=a.init_timeout,

@@ -391,3 +391,62 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_main())
+
+
+@contextlib.contextmanager
+def veth_namespaces(
+    count: int = 2,
+    rate_mbit: float | None = None,
+    name_prefix: str = DEFAULT_PREFIX,
+    mtu: int = 9000,
+    burst_kb: float = 512,
+    latency_ms: float = 100.0,
+) -> Iterator[list[ShapedNamespace]]:
+    """``count`` namespaces ("hosts"), each with its own unshaped loopback, joined by veth
+    links to a bridge namespace; each host's veth egress is shaped with ``tbf`` at
+    ``rate_mbit`` (None: unshaped). Host ``i`` has address ``10.77.0.<i + 1>``
+    (``HOST_ADDR.format(i + 1)``).
+
+    Unlike :func:`shaped_namespace` only traffic *between* hosts is shaped (each direction
+    of each host link at ``rate_mbit``: a full-duplex link per host), while traffic between
+    the devices of one process stays on that host's loopback. Run one process per host
+    (``run_processes(netns=[...], extra_env={"QSDP_COORDINATOR_HOST": "10.77.0.1",
+    "QSDP_GLOO_HOSTS": "10.77.0.1,10.77.0.2"})``). All namespaces are deleted on exit.
+    """
+    _validate(rate_mbit, mtu, burst_kb, latency_ms, name_prefix)
+    tag = f"{os.getpid()}-{secrets.token_hex(3)}"
+    bridge = f"{name_prefix}-{tag}-br"
+    hosts = [f"{name_prefix}-{tag}-h{i}" for i in range(count)]
+    made: list[str] = []
+    with raise_on_sigterm():
+        try:
+            for name in [bridge, *hosts]:
+                _run(["ip", "netns", "add", name])
+                made.append(name)
+                _run(["ip", "netns", "exec", name, "ip", "link", "set", "dev", "lo", "up"])
+            br = ["ip", "netns", "exec", bridge]
+            _run(br + ["ip", "link", "add", "br0", "type", "bridge"])
+            _run(br + ["ip", "link", "set", "br0", "up"])
+            for i, name in enumerate(hosts):
+                h = ["ip", "netns", "exec", name]
+                a, b = f"qv{i}a{tag[-4:]}", f"qv{i}b{tag[-4:]}"
+                _run(["ip", "link", "add", a, "mtu", str(mtu), "type", "veth", "peer", "name", b,
+                      "mtu", str(mtu)])
+                _run(["ip", "link", "set", a, "netns", name])
+                _run(["ip", "link", "set", b, "netns", bridge])
+                _run(h + ["ip", "addr", "add", f"{HOST_ADDR.format(i + 1)}/24", "dev", a])
+                _run(h + ["ip", "link", "set", a, "up"])
+                _run(br + ["ip", "link", "set", b, "master", "br0"])
+                _run(br + ["ip", "link", "set", b, "up"])
+                if rate_mbit is not None:
+                    _run(h + ["tc", "qdisc", "add", "dev", a, "root", "tbf",
+                              "rate", _tc_rate(float(rate_mbit)), "burst", f"{_tc_num(burst_kb)}kb",
+                              "latency", f"{_tc_num(latency_ms)}ms"])
+            yield [ShapedNamespace(name=n, rate_mbit=rate_mbit, mtu=mtu, burst_kb=burst_kb,
+                                   latency_ms=latency_ms) for n in hosts]
+        finally:
+            for name in reversed(made):
+                _delete(name)
+
+
+HOST_ADDR = "10.77.0.{}"

@@ -131,10 +131,11 @@ def train_losses_many(cases: list[Mapping[str, Any]], **kwargs) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Bytes per mesh axis
 # ----------------------------------------------------------------------------------------------
-def bytes_by_axis(compiled, mesh) -> dict[str, float]:
+def bytes_by_axis(compiled, mesh, detail: bool = False) -> dict[str, float]:
     """Wire bytes per device per step of a compiled step, by the mesh axes its collectives'
     replica groups span: ``{"node": ..., "local": ..., "node+local": ...}`` (a group over all
-    devices counts as ``node+local``: it crosses nodes).
+    devices counts as ``node+local``: it crosses nodes). ``detail``: keys
+    ``"axes/kind/dtype"``, e.g. ``"node/all-to-all/u8"``.
 
     Reads ``comm.comm_report`` for the bytes and the replica groups of each instruction from
     the HLO text (positions in the mesh's device order).
@@ -156,6 +157,8 @@ def bytes_by_axis(compiled, mesh) -> dict[str, float]:
                 if len({int(coords[d][dim]) for d in g}) > 1:
                     varying.add(mesh.axis_names[dim])
         key = "+".join(a for a in mesh.axis_names if a in varying) or "none"
+        if detail:
+            key = f"{key}/{c.kind}/{c.dtype}"
         out[key] = out.get(key, 0.0) + c.bytes_on_wire
     return out
 

@@ -270,3 +270,25 @@ def test_per_level_bits_visible_in_compiled_step(hier_run):
     ag_node, ag_local = got[("all-gather", "node")], got[("all-gather", "local")]
     assert NODES * payload_size(chunk, 8, BUCKET) in ag_node, ag_node
     assert LOCAL * NODES * payload_size(chunk, 8, BUCKET) in ag_local, ag_local
+
+
+def test_bytes_per_axis_match_the_formula(hmesh, hier_run):
+    """Invariant 4 on both levels: the u8 wire bytes on each mesh axis equal the formula
+    (payload of n codes of b bits plus 8 bytes per bucket) within 1%."""
+    from experiments.twolevel_workload import bytes_by_axis
+
+    got = bytes_by_axis(hier_run["compiled"], hmesh, detail=True)
+    expect = {"node/all-gather/u8": 0.0, "local/all-gather/u8": 0.0,
+              "local/all-to-all/u8": 0.0, "node/all-to-all/u8": 0.0}
+    for g in hier_run["state"].layout.groups:
+        if not g.is_sharded:
+            continue
+        gathers, scatters = (2 * g.n_layers, g.n_layers) if g.stacked else (1, 1)
+        c = g.chunk
+        expect["node/all-gather/u8"] += gathers * (NODES - 1) * payload_size(c, 8, BUCKET)
+        expect["local/all-gather/u8"] += gathers * (LOCAL - 1) * NODES * payload_size(c, 8, BUCKET)
+        expect["local/all-to-all/u8"] += scatters * (LOCAL - 1) * payload_size(NODES * c, 8, BUCKET)
+        expect["node/all-to-all/u8"] += scatters * (NODES - 1) * payload_size(c, 4, BUCKET)
+    for k, v in expect.items():
+        assert abs(got.get(k, 0.0) - v) <= 0.01 * v, (k, got.get(k), v)
+    assert not [k for k in got if k.endswith("/u8") and k not in expect], got
