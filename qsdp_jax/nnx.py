@@ -46,7 +46,7 @@ from qsdp_jax.config import QSDPConfig
 from qsdp_jax.nnx_scan import scan  # noqa: F401  (re-exported: qsdp_jax.nnx.scan)
 from qsdp_jax.nnx_scan import StepContext
 from qsdp_jax.nnx_tree import ModelDef, describe, group_params, model_state, set_model_state, set_params  # noqa: F401
-from qsdp_jax.sharding import check_mesh
+from qsdp_jax.hierarchy import mesh_sizes
 
 PyTree = Any
 
@@ -95,7 +95,7 @@ class TrainStep:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
         self.mdef: ModelDef = describe(model, stacked)
-        self.n = check_mesh(mesh, config.axis_name)
+        self.n = mesh_sizes(mesh, config)[1]  # every device: the batch is split over all
         self.loss_fn, self.optimizer, self.mesh, self.config = loss_fn, optimizer, mesh, config
         self.has_aux, self.aux_out_spec, self.evaluate = has_aux, aux_out_spec, evaluate
         self.record: dict[str, str] = {}
@@ -111,7 +111,7 @@ class TrainStep:
     def _loss(self, access, xbatch):
         batch = xbatch["batch"]
         extra = jax.tree.map(lambda x: x[0], xbatch["extra"])
-        ctx = StepContext(access, self.mdef, self.config.axis_name, self.record)
+        ctx = StepContext(access, self.mdef, self.config.batch_axes, self.record)
         with ctx.active():
             module = ctx.build(extra["state"], extra["step"])
             out = self.loss_fn(module, batch)
@@ -128,7 +128,7 @@ class TrainStep:
         if self.evaluate:
             fn = train.make_eval_step(lambda p, b: self._loss(p, b)[0], self.mesh, self.config)
             return fn(inner, xbatch)
-        aux_spec = P(self.config.axis_name) if self.aux_out_spec is None else self.aux_out_spec
+        aux_spec = P(self.config.batch_axes) if self.aux_out_spec is None else self.aux_out_spec
         fn = train.make_train_step(self._loss, self.optimizer, self.mesh, self.config, has_aux=True,
                                    aux_out_spec={"aux": aux_spec, "state": P()}, donate=False)
         new, metrics, aux = fn(inner, xbatch)
