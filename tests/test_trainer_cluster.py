@@ -2,6 +2,7 @@
 localhost) train to the same losses as 1 process x 8 devices; mesh and per-level-bits flags;
 bad mesh input gives a usage error."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,31 @@ def test_a_process_draws_only_its_rows():
         part = s.batch(7, rows=rows)
         for k in ("inputs", "targets"):
             np.testing.assert_array_equal(part[k], full[k][rows])
+
+
+def test_two_level_trainer_step_exports_for_tpu_and_cuda():
+    """The trainer's step (the NNX front door) on a ("node", "local") mesh, QSDP W8G8 with 4-bit
+    gradients across nodes, lowers for hardware this machine does not have, with packed uint8
+    collectives in it."""
+    import jax
+
+    import qsdp_jax as q
+    from experiments.trainer import RunConfig, Trainer
+
+    cfg = q.QSDPConfig.qsdp(8, 8, bucket_size=64, inter_grad_bits=4, node_axis="node",
+                            axis_name="local", min_shard_size=512)
+    run = RunConfig(qsdp=cfg, preset="tiny", seq_len=32, steps=2, batch_size=8,
+                    model_overrides=(("d_model", 32), ("n_heads", 2), ("n_layers", 2)),
+                    data_path=str(DATA), eval_batches=1, mesh=(("node", 2), ("local", 4)))
+    trainer = Trainer(run)
+    batch = trainer.batch(0)
+    for platform in ("tpu", "cuda"):
+        exported = jax.export.export(trainer.step_fn._jitted, platforms=[platform])(
+            trainer.state, batch)
+        text = exported.mlir_module()
+        assert exported.platforms == (platform,)
+        ops = re.findall(r'"stablehlo\.(all_to_all|all_gather)"[^\n]*?replica_groups = '
+                         r'dense<(\[\[[^>]*\]\])>[^\n]*?-> tensor<[^>]*x(ui8|f32)>', text)
+        inter, intra = "[[0, 4], [1, 5], [2, 6], [3, 7]]", "[[0, 1, 2, 3], [4, 5, 6, 7]]"
+        for kind in ("all_to_all", "all_gather"):  # gradients, weights: packed u8 at both levels
+            assert (kind, inter, "ui8") in ops and (kind, intra, "ui8") in ops, (kind, ops)
