@@ -299,3 +299,39 @@ def init_on_grid(params: PyTree, optimizer: optax.GradientTransformation, config
     """``(params projected onto the initial grid, opt_state)`` for a single-device loop."""
     opt_state = optimizer.init(params)
     return snap_to_grid(params, opt_state, config), opt_state
+
+
+def global_norm(tree: PyTree) -> jax.Array:
+    """The L2 norm of ``tree``; inside the sharded train step (:func:`sharding_context`), of the
+    *global* tree: the local shards' squares are summed over the devices, replicated leaves
+    counted once. (``optax.global_norm`` there sees only this device's shards.)"""
+    ctx = _CONTEXT.get()
+    leaves = jax.tree_util.tree_leaves(tree)
+    if ctx is None:
+        return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+    mask = jax.tree_util.tree_leaves(ctx.mask)
+    if len(mask) != len(leaves):
+        raise ValueError("sharding_context mask does not match the updates' structure")
+    sq = lambda xs: jnp.asarray(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in xs), jnp.float32)  # noqa: E731
+    sharded = lax.psum(sq([x for x, m in zip(leaves, mask) if m]), ctx.axis_name)
+    return jnp.sqrt(sharded + sq([x for x, m in zip(leaves, mask) if not m]))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm`` that is correct inside the sharded train step.
+
+    optax's version computes the norm of what it is given, which in the sharded step is one
+    device's shards: every device then clips by a different factor, and replicated leaves
+    drift apart across devices. This one uses :func:`global_norm` (the same result as optax's
+    outside the step).
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} is invalid: must be > 0")
+
+    def update(updates, state, params=None):
+        del params
+        norm = global_norm(updates)
+        factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda u: (u * factor).astype(u.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
