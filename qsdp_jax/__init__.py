@@ -13,6 +13,7 @@ from qsdp_jax.collectives import (
     quantized_reduce_scatter,
     reduce_scatter_fp,
 )
+from qsdp_jax.checkpoint import CheckpointMismatch, Checkpointer
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.quantizers import QTensor, dequantize, pack_bits, quantize, unpack_bits
 from qsdp_jax.sharding import FlatLayout, make_mesh
@@ -27,6 +28,8 @@ from qsdp_jax.train import (
 )
 
 __all__ = [
+    "CheckpointMismatch",
+    "Checkpointer",
     "FlatLayout",
     "GatherSpec",
     "LocalParams",
