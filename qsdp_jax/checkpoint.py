@@ -292,7 +292,9 @@ class Checkpointer:
             leaves={k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
             names={k: f"leaf_{i:04d}" for i, k in enumerate(arrays)},
         )
-        stored = {meta["names"][k]: v for k, v in arrays.items() if v.size > 0}
+        # Host copies now (each process holds the full replicated array): the caller may donate
+        # or delete the state as soon as this returns; the files are written in the background.
+        stored = {meta["names"][k]: np.asarray(v.addressable_data(0)) for k, v in arrays.items() if v.size > 0}
         return bool(self._manager.save(
             step, args=ocp.args.Composite(arrays=ocp.args.PyTreeSave(stored), meta=ocp.args.JsonSave(meta)),
             force=force,
