@@ -282,7 +282,7 @@ class Checkpointer:
         Returns False if a checkpoint of that step exists already.
         """
         step = int(jax.device_get(state.step))
-        if step in self.all_steps():
+        if step in self._manager.all_steps():  # no reload: it would race pending deletions
             return False
         arrays = export_state(state, mesh)
         meta = describe(state, config, mesh, identity)
@@ -322,22 +322,28 @@ class Checkpointer:
                 f"checkpoint {self.directory}/{step} holds another state structure: missing "
                 f"{missing[:3]}, unexpected {unexpected[:3]} (a different optimizer or model?)"
             )
-        names = meta["names"]
-        stored_names = [names[k] for k, (shape, _) in meta["leaves"].items() if int(np.prod(shape)) > 0]
-        restore_args = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in stored_names}
-        got = self._manager.restore(step, args=ocp.args.Composite(
-            arrays=ocp.args.PyTreeRestore(restore_args=restore_args)))["arrays"]
+        arrays = self.load_arrays(step)
         n = _device_axis_size(mesh, config)
         out = []
         for path, like in leaves:
-            key = jax.tree_util.keystr(path)
-            shape, dtype = meta["leaves"][key]
-            saved = np.asarray(got[names[key]]) if int(np.prod(shape)) > 0 else np.zeros(shape, dtype)
-            host = _import_leaf(saved, like, path, template.layout, n)
+            host = _import_leaf(arrays[jax.tree_util.keystr(path)], like, path, template.layout, n)
             if str(host.dtype) != str(like.dtype):
+                key = jax.tree_util.keystr(path)
                 raise CheckpointMismatch(f"{key}: the checkpoint holds {host.dtype}, this state needs {like.dtype}")
             out.append(_to_device(host, like.sharding))
         return jax.tree_util.tree_unflatten(treedef, out), meta.get("extra", {})
+
+    def load_arrays(self, step: int | None = None) -> dict[str, np.ndarray]:
+        """The stored device-count-independent arrays ``{leaf path: array}`` (zero-size ones
+        included), e.g. to compare two runs' final states."""
+        step = self._pick(step)
+        meta = self.metadata(step)
+        names = meta["names"]
+        stored = [names[k] for k, (shape, _) in meta["leaves"].items() if int(np.prod(shape)) > 0]
+        got = self._manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.PyTreeRestore(
+            restore_args={n: ocp.RestoreArgs(restore_type=np.ndarray) for n in stored})))["arrays"]
+        return {k: np.asarray(got[names[k]]) if int(np.prod(shape)) > 0 else np.zeros(shape, dtype)
+                for k, (shape, dtype) in meta["leaves"].items()}
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are complete."""
