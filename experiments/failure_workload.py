@@ -75,8 +75,8 @@ def train(out: Path, steps: int, every: int, bound: float, save_timeout: float, 
     current = {"state": state}
 
     def try_save() -> str:
-        ok = ckpt.save(current["state"], config, mesh)
-        return f"saved step {int(current['state'].step)}" if ok else "a checkpoint of this step existed"
+        return save_or_explain(lambda: ckpt.save(current["state"], config, mesh), current["state"],
+                               ckpt.latest_step)
 
     losses = []
     with StepWatchdog(bound, on_timeout=try_save, save_timeout_s=save_timeout, what=what) as dog:

@@ -201,17 +201,48 @@ def resume_step(ckpts: RunCheckpoints, trainer, args) -> int:
         raise CLIError(f"cannot resume from {ckpts.directory}: {e}") from None
 
 
-def train_loop(trainer, out: Path, start: int, progress, ckpts: RunCheckpoints | None) -> list:
+def _watchdog(trainer, ckpts, timeout_s):
+    """A StepWatchdog whose save attempt writes a checkpoint of the trainer's state."""
+    from qsdp_jax.watchdog import StepWatchdog, save_or_explain
+
+    def try_save():
+        if ckpts is None:
+            return "No --checkpoint-dir: nothing saved"
+        return save_or_explain(lambda: ckpts.save(trainer, force=True) and ckpts.ckpt.wait(),
+                               trainer.state, ckpts.latest_step)
+
+    return StepWatchdog(timeout_s, on_timeout=try_save, what="the trainer")
+
+
+def train_loop(trainer, out: Path, start: int, progress, ckpts: RunCheckpoints | None,
+               failure_timeout: float | None = None) -> list:
     """Train from ``start`` to the end, streaming metrics and saving checkpoints; the full
     history (earlier rows of a resumed run included). Raises :class:`Stopped` on SIGTERM/SIGINT
-    after saving."""
+    after saving. With ``failure_timeout``, a :class:`qsdp_jax.watchdog.StepWatchdog` ends the
+    process (status 75) when no step finishes for that long or a collective fails."""
+    import contextlib
+
+    import jax
+
     from experiments.trainer import StepLog
 
     log = MetricsLog(out / "metrics.jsonl", start)
     history = [StepLog(**r) for r in log.rows]
-    with StopSignals() as stop:
+    dog = _watchdog(trainer, ckpts, failure_timeout) if failure_timeout else None
+    with StopSignals() as stop, (dog or contextlib.nullcontext()):
         try:
-            for entry in trainer.steps():
+            steps = trainer.steps()
+            while True:
+                try:
+                    entry = next(steps)
+                except StopIteration:
+                    break
+                except jax.errors.JaxRuntimeError as e:
+                    if dog is None:
+                        raise
+                    dog.fail(e)
+                if dog is not None:
+                    dog.beat(entry.step)
                 history.append(entry)
                 log.append(dataclasses.asdict(entry))
                 progress.update(entry)

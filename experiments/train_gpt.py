@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint (start fresh when there is none); "
                    "metrics continue the same metrics.jsonl")
+    c.add_argument("--failure-timeout", type=float, default=None, metavar="S",
+                   help="exit (status 75, after trying to save) when no step finishes for S seconds "
+                   "or a collective fails, e.g. a peer process died (default: off; 60 is a good bound "
+                   "for multi-process runs)")
     return p
 
 
@@ -455,7 +459,7 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
 
     setup_s = time.perf_counter() - t_start
     progress = Progress(run.steps, run.batch_size * trainer.model.cfg.seq_len, enabled=not args.quiet)
-    history = train_loop(trainer, out, start, progress, ckpts)
+    history = train_loop(trainer, out, start, progress, ckpts, args.failure_timeout)
 
     result = tr.summarise(trainer, history, report, time.perf_counter() - t_start, compile_s)
     summary = {k: v for k, v in result.as_dict().items() if k != "history"}

@@ -34,6 +34,22 @@ from typing import Callable
 EXIT_CODE = 75  # EX_TEMPFAIL: try again (restart and resume)
 
 
+def _default_exit(code: int) -> None:
+    os._exit(code)  # the main thread is stuck in a collective: no unwinding
+
+
+def save_or_explain(save: Callable[[], bool], state, latest_step: Callable[[], int | None]) -> str:
+    """For ``on_timeout``: run ``save()`` unless ``state``'s buffers were donated to the step
+    that is now stuck; a sentence saying what happened and which checkpoint a restart uses."""
+    import jax
+
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(state)):
+        return (f"Not saved: the last state was donated to the step that cannot finish; the "
+                f"last complete checkpoint is step {latest_step()}")
+    save()
+    return f"Saved step {int(jax.device_get(state.step))}"
+
+
 class StepWatchdog:
     """Ends the process when train steps stop finishing (see the module docstring).
 
@@ -48,7 +64,7 @@ class StepWatchdog:
 
     def __init__(self, timeout_s: float = 60.0, *, on_timeout: Callable[[], str] | None = None,
                  save_timeout_s: float = 10.0, exit_code: int = EXIT_CODE, what: str = "this process",
-                 _exit: Callable[[int], None] = os._exit):
+                 _exit: Callable[[int], None] | None = None):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} is invalid: must be > 0")
         if not save_timeout_s >= 0:
@@ -94,7 +110,7 @@ class StepWatchdog:
                 return
 
     def _fire(self, step: int, happened: str) -> None:
-        saved = "no save attempted"
+        saved = "No save attempted"
         if self.on_timeout is not None:
             result: list[str] = []
 
@@ -102,13 +118,13 @@ class StepWatchdog:
                 try:
                     result.append(self.on_timeout())
                 except BaseException as e:  # noqa: BLE001 - reported below
-                    result.append(f"the save failed: {type(e).__name__}: {e}")
+                    result.append(f"The save failed: {type(e).__name__}: {str(e).rstrip('.')}")
 
             t = threading.Thread(target=attempt, name="qsdp-watchdog-save", daemon=True)
             t.start()
             t.join(self.save_timeout_s)
             saved = result[0] if result else (
-                f"the save did not finish within {self.save_timeout_s:g} s (the state is sharded "
+                f"The save did not finish within {self.save_timeout_s:g} s (the state is sharded "
                 "over the processes: with one gone it cannot be gathered)"
             )
         sys.stderr.write(
@@ -119,4 +135,4 @@ class StepWatchdog:
         )
         sys.stderr.flush()
         sys.stdout.flush()
-        self._exit(self.exit_code)
+        (self._exit or _default_exit)(self.exit_code)

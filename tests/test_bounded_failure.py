@@ -47,6 +47,7 @@ def _steps(text: str) -> dict[int, float]:
             if len(w) == 3 and w[0] == "STEP"}
 
 
+@pytest.mark.slow
 def test_peer_killed_survivor_exits_within_bound_and_run_resumes(tmp_path):
     out = tmp_path / "run"
     procs = _launch(out, "first")
@@ -84,6 +85,31 @@ def test_peer_killed_survivor_exits_within_bound_and_run_resumes(tmp_path):
     first = _steps(text)
     common = [s for s in resumed if s in first]
     assert common and all(resumed[s] == first[s] for s in common)  # same numbers after resuming
+
+
+@pytest.mark.slow
+def test_peer_frozen_survivor_exits_within_bound(tmp_path):
+    """SIGSTOP (a frozen peer: its sockets stay open, no collective fails): the watchdog ends
+    the survivor within the bound with the message."""
+    out = tmp_path / "run"
+    procs = _launch(out, "frozen")
+    deadline = time.monotonic() + 300
+    while len(_steps(_log(out, "frozen", 1))) < 6 and time.monotonic() < deadline:
+        assert procs[1].poll() is None, _log(out, "frozen", 1)
+        time.sleep(0.02)
+    procs[1].send_signal(signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        code = procs[0].wait(timeout=BOUND + SAVE_TIMEOUT + 60)
+        waited = time.monotonic() - t_stop
+    finally:
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(timeout=30)
+    text = _log(out, "frozen", 0)
+    assert code == 75, text[-3000:]
+    assert BOUND - 1 < waited < BOUND + SAVE_TIMEOUT + 10, waited
+    assert "watchdog: process 0 of 2 finished no train step for 8 s" in text, text[-3000:]
+    assert "restart the run to resume" in text
 
 
 def test_watchdog_fires_once_and_tries_to_save():

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from qsdp_jax.checkpoint import Checkpointer
 
@@ -48,6 +49,7 @@ def _final(out: Path):
     return arrays, rows
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume(tmp_path):
     ref = tmp_path / "ref"
     p = _start(ref, resume=False)

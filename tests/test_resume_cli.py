@@ -104,3 +104,31 @@ def test_overwrite_keeps_old_files_until_replaced(tmp_path, monkeypatch):
     assert not (out / "checkpoints.replaced").exists()
     assert [r["step"] for r in _rows(out)] == list(range(1, 7))
     assert not [p for p in out.iterdir() if ".tmp" in p.name]
+
+
+def test_failure_timeout_saves_and_exits(tmp_path, monkeypatch, capsys):
+    """--failure-timeout: a step that does not finish within the bound -> the watchdog saves
+    the last finished state, says what happened, and exits with 75 (recorded here instead)."""
+    import time
+
+    from qsdp_jax import watchdog
+
+    exits = []
+    monkeypatch.setattr(watchdog, "_default_exit", exits.append)
+    real = tr.Trainer.steps
+
+    def steps(self):  # after step 3, the next step "hangs" past the bound
+        for log in real(self):
+            yield log
+            if log.step == 3:
+                time.sleep(4.0)
+
+    monkeypatch.setattr(tr.Trainer, "steps", steps)
+    out = tmp_path / "run"
+    tg.main([*TINY, "--out", str(out), "--checkpoint-every", "100", "--failure-timeout", "1.5",
+             "--eval-every", "6"])  # (no evaluation, with its compilation, inside the bound)
+    assert exits and exits[0] == 75
+    err = capsys.readouterr().err
+    assert "qsdp_jax watchdog: the trainer finished no train step for 1.5 s after step 3" in err
+    assert "Saved step 3" in err
+    assert (out / "checkpoints" / "3").is_dir()
