@@ -34,8 +34,10 @@ def check_params(params, stacked) -> None:
                 f"parameter {name} has dtype {dtype}: parameters must be floating point (keep "
                 "integer or boolean constants out of the params dict, e.g. in the loss's closure)"
             )
-        if isinstance(x, jax.ShapeDtypeStruct) or isinstance(x, jax.core.Tracer):
+        if isinstance(x, (jax.ShapeDtypeStruct, jax.core.Tracer)):
             continue
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            continue  # spread over processes: checking it would need a collective
         if not bool(jnp.all(jnp.isfinite(jnp.asarray(x)))):
             raise ValueError(f"parameter {name} holds NaN or Inf values at init")
 
