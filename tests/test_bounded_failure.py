@@ -61,6 +61,7 @@ def test_peer_killed_survivor_exits_within_bound_and_run_resumes(tmp_path):
     waited = time.monotonic() - t_kill
     procs[1].wait(timeout=30)
     text = _log(out, "first", 0)
+    print(f"survivor exited {waited:.1f} s after the peer was killed (bound {BOUND:g} s)")
     assert code == 75, text[-3000:]
     assert waited < BOUND + SAVE_TIMEOUT + 10, waited  # the bound, plus step and save allowance
     # either the collective failed at once (gloo saw the connection drop) or no step finished
@@ -106,6 +107,7 @@ def test_peer_frozen_survivor_exits_within_bound(tmp_path):
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait(timeout=30)
     text = _log(out, "frozen", 0)
+    print(f"survivor exited {waited:.1f} s after the peer was frozen (bound {BOUND:g} s)")
     assert code == 75, text[-3000:]
     assert BOUND - 1 < waited < BOUND + SAVE_TIMEOUT + 10, waited
     assert "watchdog: process 0 of 2 finished no train step for 8 s" in text, text[-3000:]
