@@ -122,9 +122,12 @@ def _export_leaf(x, path, layout: FlatLayout):
     return x
 
 
-def _import_leaf(saved: np.ndarray, like, path, layout: FlatLayout, n: int) -> np.ndarray:
-    """The array of shape ``like.shape`` for this mesh from the stored form (numpy, on host)."""
+def _import_leaf(saved: np.ndarray, like, path, layout: FlatLayout) -> np.ndarray:
+    """The array of shape ``like.shape`` for this mesh from the stored form (numpy, on host).
+    The device count is the template's leading optimizer-state axis (whatever the mesh's
+    shape)."""
     kind, group = _kind(path, layout)
+    n = like.shape[0] if kind in ("opt_sharded", "opt_rep") else 1
     where = jax.tree_util.keystr(path)
     if kind in ("flat", "opt_sharded"):
         total = like.shape[-1] * (n if kind == "opt_sharded" else 1)
@@ -323,10 +326,9 @@ class Checkpointer:
                 f"{missing[:3]}, unexpected {unexpected[:3]} (a different optimizer or model?)"
             )
         arrays = self.load_arrays(step)
-        n = _device_axis_size(mesh, config)
         out = []
         for path, like in leaves:
-            host = _import_leaf(arrays[jax.tree_util.keystr(path)], like, path, template.layout, n)
+            host = _import_leaf(arrays[jax.tree_util.keystr(path)], like, path, template.layout)
             if str(host.dtype) != str(like.dtype):
                 key = jax.tree_util.keystr(path)
                 raise CheckpointMismatch(f"{key}: the checkpoint holds {host.dtype}, this state needs {like.dtype}")
@@ -368,12 +370,6 @@ class Checkpointer:
         if step not in steps:
             raise FileNotFoundError(f"no complete checkpoint of step {step} in {self.directory} (have {steps})")
         return step
-
-
-def _device_axis_size(mesh: Mesh, config: QSDPConfig) -> int:
-    if config.axis_name not in mesh.axis_names:
-        raise ValueError(f"mesh has no axis {config.axis_name!r} (its axes are {mesh.axis_names})")
-    return mesh.shape[config.axis_name]
 
 
 def _to_device(host: np.ndarray, sharding) -> jax.Array:
