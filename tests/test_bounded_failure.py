@@ -27,6 +27,8 @@ def _launch(out: Path, tag: str) -> list[subprocess.Popen]:
     port = find_free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(REPO)
+    env.update(JAX_COMPILATION_CACHE_DIR=str(out.parent / "jax-cache"),  # the restart reuses it
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     procs = []
     for i in range(2):
         log = open(out.parent / f"{tag}-{i}.log", "w")

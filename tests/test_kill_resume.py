@@ -27,9 +27,16 @@ ARGS = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--seq-len", "16
         "--eval-every", "6", "--devices", "2", "--checkpoint-every", "1", "--keep", "2"]
 
 
+def _cache_env(cache: Path) -> dict:
+    """JAX's persistent compilation cache: every life after the first skips compiling (12.7 ->
+    4.6 s of CPU per life measured), the executables, and so the numbers, are the same."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
 def _start(out: Path, resume: bool) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "experiments.train_gpt", *ARGS, "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **_cache_env(out.parent / "jax-cache")}
     return subprocess.Popen(cmd + (["--resume"] if resume else []), cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
