@@ -17,6 +17,7 @@ from qsdp_jax.checkpoint import CheckpointMismatch, Checkpointer
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.quantizers import QTensor, dequantize, pack_bits, quantize, unpack_bits
 from qsdp_jax.sharding import FlatLayout, make_mesh
+from qsdp_jax.watchdog import StepWatchdog
 from qsdp_jax.train import (
     ShardedParams,
     TrainState,
@@ -37,6 +38,7 @@ __all__ = [
     "QSDPConfig",
     "QTensor",
     "ShardedParams",
+    "StepWatchdog",
     "TrainState",
     "abstract_train_state",
     "all_gather_fp",
