@@ -37,6 +37,7 @@ from experiments.cluster_args import (
     start_distributed,
 )
 from experiments.devices import describe_devices, simulate_cpu_devices, use_available_devices
+from experiments.run_files import Stopped, open_checkpoints, resume_step, train_loop, write_atomic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = REPO_ROOT / "runs"
@@ -143,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip compiling the fp32 step for the bytes-vs-fp32 ratio")
     o.add_argument("--quiet", action="store_true",
                    help="no progress line; a one-line summary instead of the full one")
+
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="where checkpoints go (default: <out>/checkpoints when --checkpoint-every "
+                   "or --resume is given)")
+    c.add_argument("--checkpoint-every", type=_positive, default=None,
+                   help="save every N steps, asynchronously (and always on SIGTERM/SIGINT and at the end)")
+    c.add_argument("--keep", type=_positive, default=3, help="complete checkpoints kept (default: 3)")
+    c.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint (start fresh when there is none); "
+                   "metrics continue the same metrics.jsonl")
+    c.add_argument("--failure-timeout", type=float, default=None, metavar="S",
+                   help="exit (status 75, after trying to save) when no step finishes for S seconds "
+                   "or a collective fails, e.g. a peer process died (default: off; 60 is a good bound "
+                   "for multi-process runs)")
     add_cluster_args(p)
     return p
 
@@ -209,11 +225,11 @@ def default_out(preset: str, name: str) -> Path:
     return RUNS_DIR / f"{preset}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def check_out_dir(out: Path, overwrite: bool) -> None:
+def check_out_dir(out: Path, overwrite: bool, resume: bool = False) -> None:
     """CLIError if ``out`` is unusable or holds files and ``overwrite`` is not set."""
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    if out.is_dir() and any(out.iterdir()) and not overwrite and not resume:
         raise CLIError(
             f"output directory {out} exists and is not empty; pass --overwrite to replace its "
             f"run files ({', '.join(ARTIFACTS)}) or choose another --out"
@@ -350,8 +366,14 @@ def plot_loss(history, path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    import io
+
+    from experiments.run_files import write_atomic
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
     plt.close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 def summary_text(summary: dict, report_table: str | None) -> str:
@@ -458,7 +480,7 @@ def prepare_run(args: argparse.Namespace):
                            f"multiple of {n}")
     main = _is_main_process_hint() and args.process_id in (None, 0)
     if args.out is not None and main:
-        check_out_dir(Path(args.out), args.overwrite)  # before the (slow) jax import
+        check_out_dir(Path(args.out), args.overwrite, args.resume)  # before the (slow) jax import
     devices = setup_devices(args)
     from qsdp_jax import distributed
 
@@ -474,7 +496,7 @@ def prepare_run(args: argparse.Namespace):
     cfg, run = build_run_config(args, mesh)
     out = Path(args.out) if args.out is not None else default_out(args.preset, cfg.name)
     if main:
-        check_out_dir(out, args.overwrite)
+        check_out_dir(out, args.overwrite, args.resume)
     return devices, main, cfg, run, out
 
 
@@ -504,8 +526,8 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
 
     if main:  # only process 0 writes the run's files
         out.mkdir(parents=True, exist_ok=True)
-        for name in ARTIFACTS:
-            (out / name).unlink(missing_ok=True)
+    ckpts = open_checkpoints(args, out)
+    start = resume_step(ckpts, trainer, args) if ckpts is not None else 0
     config = run.as_dict()
     config.update(
         name=cfg.name,
@@ -517,7 +539,7 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
         devices=describe_devices(devices),
     )
     if main:
-        (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+        write_atomic(out / "config.json", json.dumps(config, indent=1) + "\n")
 
     t_compile = time.perf_counter()
     report = trainer.wire_report()  # compiles the step (the first step then reuses it)
@@ -532,20 +554,8 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
     setup_s = time.perf_counter() - t_start
     progress = Progress(run.steps, run.batch_size * trainer.model.cfg.seq_len,
                         enabled=not args.quiet and main)
-    history = []
-    with open(out / "metrics.jsonl" if main else os.devnull, "w") as f:
-        try:
-            for log in trainer.steps():
-                history.append(log)
-                f.write(json.dumps(dataclasses.asdict(log)) + "\n")
-                f.flush()
-                progress.update(log)
-        except BaseException:
-            if progress.tty and progress.enabled:
-                sys.stderr.write("\n")
-            print(f"training stopped at step {len(history)}/{run.steps}; the metrics so far are in "
-                  f"{out / 'metrics.jsonl'}", file=sys.stderr)
-            raise
+    history = train_loop(trainer, out, start, progress, ckpts, args.failure_timeout,
+                         write_metrics=main)
 
     result = tr.summarise(trainer, history, report, time.perf_counter() - t_start, compile_s)
     summary = {k: v for k, v in result.as_dict().items() if k != "history"}
@@ -558,7 +568,7 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
     )
     if not main:
         return result
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     model = trainer.model.cfg
     plot_loss(history, out / "loss.png",
               f"{cfg.name}: GPT d{model.d_model} L{model.n_layers} on {summary['devices']}")
@@ -587,6 +597,9 @@ def main(argv=None) -> int:
             return int(exit_.code)
     except KeyboardInterrupt:
         return 130
+    except Stopped as e:
+        print(str(e), file=sys.stderr)
+        return e.code
     return 0
 
 

@@ -15,6 +15,7 @@ from qsdp_jax.collectives import (
     quantized_reduce_scatter,
     reduce_scatter_fp,
 )
+from qsdp_jax.checkpoint import CheckpointMismatch, Checkpointer
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.hierarchy import (
     TwoLevelSpec,
@@ -24,6 +25,7 @@ from qsdp_jax.hierarchy import (
 )
 from qsdp_jax.quantizers import QTensor, dequantize, pack_bits, quantize, unpack_bits
 from qsdp_jax.sharding import FlatLayout, make_mesh
+from qsdp_jax.watchdog import StepWatchdog
 from qsdp_jax.train import (
     ShardedParams,
     TrainState,
@@ -35,6 +37,8 @@ from qsdp_jax.train import (
 )
 
 __all__ = [
+    "CheckpointMismatch",
+    "Checkpointer",
     "FlatLayout",
     "GatherSpec",
     "LocalParams",
@@ -42,6 +46,7 @@ __all__ = [
     "QSDPConfig",
     "QTensor",
     "ShardedParams",
+    "StepWatchdog",
     "TrainState",
     "TwoLevelSpec",
     "abstract_train_state",

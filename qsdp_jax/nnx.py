@@ -121,7 +121,10 @@ class TrainStep:
     def _step(self, state: train.TrainState, batch):
         self._check_layout(state)
         self.record.clear()  # filled while this trace runs the loss
-        tile = lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (self.n, *jnp.shape(x)))  # noqa: E731
+        # one copy per example (as many as the batch's leading size, a multiple of the devices):
+        # the step checks that every batch leaf holds the same number of examples
+        rows = next((x.shape[0] for x in jax.tree.leaves(batch) if jnp.ndim(x)), self.n)
+        tile = lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (rows, *jnp.shape(x)))  # noqa: E731
         extra = {"state": jax.tree.map(tile, state.model_state or {}), "step": tile(state.step)}
         xbatch = {"batch": batch, "extra": extra}
         inner = dataclasses.replace(state, model_state=None)
