@@ -16,7 +16,6 @@ Only ``jax`` is imported lazily: the worker calls ``jax.distributed.initialize``
 """
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -133,32 +132,19 @@ def train_losses_many(cases: list[Mapping[str, Any]], **kwargs) -> dict:
 # ----------------------------------------------------------------------------------------------
 def bytes_by_axis(compiled, mesh, detail: bool = False) -> dict[str, float]:
     """Wire bytes per device per step of a compiled step, by the mesh axes its collectives'
-    replica groups span: ``{"node": ..., "local": ..., "node+local": ...}`` (a group over all
-    devices counts as ``node+local``: it crosses nodes). ``detail``: keys
-    ``"axes/kind/dtype"``, e.g. ``"node/all-to-all/u8"``.
-
-    Reads ``comm.comm_report`` for the bytes and the replica groups of each instruction from
-    the HLO text (positions in the mesh's device order).
+    replica groups span (``qsdp_jax.comm.CommReport.by_axis``): ``{"node": ..., "local": ...,
+    "node+local": ...}``; a group over all devices counts as ``node+local`` (it crosses
+    nodes). ``detail``: keys ``"axes/kind/dtype"``, e.g. ``"node/all-to-all/u8"``.
     """
-    import numpy as np
-
     from qsdp_jax import comm
 
-    text = compiled.as_text()
     report = comm.comm_report(compiled)
-    coords = {i: np.unravel_index(i, mesh.devices.shape) for i in range(mesh.devices.size)}
+    if not detail:
+        return dict(report.by_axis(mesh))
     out: dict[str, float] = {}
     for c in report.collectives:
-        m = re.search(rf"%{re.escape(c.name)} = .*?replica_groups=(\{{[\d,{{}}]*\}}|\[[^\]]*\][^,]*)", text)
-        groups = comm.parse_replica_groups(m.group(1) if m else "{}", mesh.devices.size)
-        varying = set()
-        for g in groups:
-            for dim in range(len(mesh.axis_names)):
-                if len({int(coords[d][dim]) for d in g}) > 1:
-                    varying.add(mesh.axis_names[dim])
-        key = "+".join(a for a in mesh.axis_names if a in varying) or "none"
-        if detail:
-            key = f"{key}/{c.kind}/{c.dtype}"
+        key = "+".join(comm.axes_spanned(c.replica_groups, mesh)) or "none"
+        key = f"{key}/{c.kind}/{c.dtype}"
         out[key] = out.get(key, 0.0) + c.bytes_on_wire
     return out
 

@@ -93,7 +93,7 @@ def test_targets_and_table():
     json.dumps(t)
 
 
-def test_committed_result_meets_the_targets():
+def test_committed_result_records_the_targets():
     from pathlib import Path
 
     path = Path(bt.DEFAULT_OUT)

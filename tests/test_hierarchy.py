@@ -292,3 +292,16 @@ def test_bytes_per_axis_match_the_formula(hmesh, hier_run):
     for k, v in expect.items():
         assert abs(got.get(k, 0.0) - v) <= 0.01 * v, (k, got.get(k), v)
     assert not [k for k in got if k.endswith("/u8") and k not in expect], got
+
+
+def test_hybrid_cross_group_reduction_is_quantized_in_compiled_step(hybrid_run):
+    """Hybrid: 8-bit gather and reduce-scatter inside the group; across groups the gradient
+    shard travels as 4-bit codes twice (all_to_all, then the all-gather of the sums)."""
+    got = _u8_collectives_by_axis(hybrid_run["compiled"].as_text())  # node = replica, local = fsdp
+    assert "both" not in {a for _, a in got}
+    chunk = hybrid_run["state"].layout.group("blocks").chunk
+    half = -(-chunk // (NODES * BUCKET)) * BUCKET  # each replica sums 1/R of the padded shard
+    assert LOCAL * payload_size(chunk, 8, BUCKET) in got[("all-to-all", "local")]
+    assert LOCAL * payload_size(chunk, 8, BUCKET) in got[("all-gather", "local")]
+    assert NODES * payload_size(half, 4, BUCKET) in got[("all-to-all", "node")]
+    assert NODES * payload_size(half, 4, BUCKET) in got[("all-gather", "node")]

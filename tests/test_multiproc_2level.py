@@ -1,6 +1,6 @@
 """2 processes x 4 CPU devices (jax.distributed, gloo) train to the same losses as 1 process x
-8 devices, for fp32 and QSDP W8G8 (with 4-bit gradients across nodes), on a 1-D mesh and on a
-("node", "local") mesh where each process is a node.
+8 devices, for fp32 and QSDP W8G8 on a 1-D mesh and on a ("node", "local") mesh where each
+process is a node (there W8G8 with 4-bit gradients across nodes: both levels quantized).
 
 The comparison is bitwise: the gathers and all-to-alls only move bytes, the dequantize-sums
 run on each device in a fixed order, and the remaining fp32 reductions (reduce-scatter of fp32
@@ -17,7 +17,6 @@ CASES = [
     {"mesh_axes": "fsdp", "config": {"name": "fp32"}},
     {"mesh_axes": "fsdp", "config": {"name": "qsdp-W8G8"}},
     {"mesh_axes": HIER, "config": {"name": "fp32", **H}},
-    {"mesh_axes": HIER, "config": {"name": "qsdp-W8G8", **H}},
     {"mesh_axes": HIER, "config": {"name": "qsdp-W8G8", "inter_grad_bits": 4, **H}},
 ]
 KW = dict(cases=CASES, steps=2, compiler_options={"xla_backend_optimization_level": 0})
@@ -52,4 +51,4 @@ def test_quantized_two_level_differs_from_fp32(runs):
     """The equality above is not vacuous: each config has its own losses."""
     _, one = runs
     second = [r["losses"][1] for r in one[0]["runs"]]
-    assert len({second[2], second[3], second[4]}) == 3
+    assert second[0] != second[1] and second[2] != second[3]
