@@ -17,6 +17,7 @@ WEIGHT_MODES = ("qsdp", "comm", "full")
 WEIGHT_ROUNDINGS = ("shift", "stochastic")
 GRAD_ROUNDINGS = ("stochastic", "nearest")
 FP_COMM_DTYPES = ("float32", "bfloat16")
+KERNEL_MODES = ("auto", "reference", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,10 @@ class QSDPConfig:
         ``"bfloat16"``); the bf16 FSDP baseline is ``weight_bits=grad_bits=None`` with
         ``fp_comm_dtype="bfloat16"``.
       axis_name: the mesh axis the parameters are sharded over.
+      kernels: who runs the quantize / pack hot path (see ``qsdp_jax.kernels.dispatch``):
+        ``"auto"`` (Pallas kernels on GPU and TPU, the jnp reference on CPU), ``"reference"``
+        (the jnp reference everywhere) or ``"interpret"`` (the kernels in Pallas interpret
+        mode on any backend; slow, for tests on CPU).
     """
 
     weight_bits: int | None = 8
@@ -60,6 +65,7 @@ class QSDPConfig:
     seed: int = 0
     fp_comm_dtype: str = "float32"
     axis_name: str = "fsdp"
+    kernels: str = "auto"
 
     def __post_init__(self):
         _check_bits("weight_bits", self.weight_bits)
@@ -75,6 +81,7 @@ class QSDPConfig:
         if self.seed >= 2**32:
             _fail("seed", self.seed, "an integer in [0, 2**32)")
         _check_choice("fp_comm_dtype", self.fp_comm_dtype, FP_COMM_DTYPES)
+        _check_choice("kernels", self.kernels, KERNEL_MODES)
         if not isinstance(self.axis_name, str) or not self.axis_name:
             _fail("axis_name", self.axis_name, "a non-empty mesh axis name")
         if self.weight_mode == "full" and self.weight_bits is not None:
