@@ -170,3 +170,28 @@ def test_device_check_scripts_parse_and_dry_run(script, tmp_path):
     out = subprocess.run(["bash", path, "--dry-run", str(tmp_path)], check=True, capture_output=True, text=True).stdout
     assert "pytest" in out and "bench_kernels" in out and "check_kernels" in out
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def _on_device(target):
+    """Kernels compiled for the real device against the reference jitted on it."""
+    rng = np.random.default_rng(0)
+    for bits, rounding, bucket in [(8, "stochastic", 1024), (4, "shift", 256), (3, "nearest", 64), (1, "stochastic", 4096)]:
+        x = jnp.asarray(rng.normal(size=(4, 5 * bucket)).astype(np.float32))
+        key = qz.derive_key(2, bits)
+        packed, scales, offsets, values = _ref_quantize(x, key, bits=bits, bucket=bucket, rounding=rounding)
+        got = jax.jit(lambda v: qk.quantize_pack(v, bits, bucket, rounding, key, target=target))(x)
+        chex.assert_trees_all_equal(got, (packed, scales, offsets))
+        deq = jax.jit(lambda p, s, o: qk.unpack_dequantize(p, s, o, bits, bucket, x.shape[-1], target=target))
+        chex.assert_trees_all_equal(deq(packed, scales, offsets), values)
+        total = jax.jit(lambda p, s, o: qk.unpack_dequantize_sum(p, s, o, bits, bucket, x.shape[-1], target=target))
+        chex.assert_trees_all_equal(total(packed, scales, offsets), jax.jit(qc.sum_rows)(values))
+
+
+@pytest.mark.gpu
+def test_triton_kernels_on_the_gpu_match_the_reference():
+    _on_device("triton")
+
+
+@pytest.mark.tpu
+def test_mosaic_kernels_on_the_tpu_match_the_reference():
+    _on_device("mosaic_tpu")
