@@ -145,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("what", choices=["kernels", "step", "table"])
     p.add_argument("dir", nargs="?", type=Path)
     p.add_argument("--out", type=Path)
+    p.add_argument("--preset", default="small", help="GPT preset of the step timing")
     args = p.parse_args(argv)
     out_dir = args.out or args.dir
     if out_dir is None:
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
     if args.what == "kernels":
         check_kernels(out_dir)
     elif args.what == "step":
-        time_step(out_dir)
+        time_step(out_dir, preset=args.preset)
     else:
         print(table(out_dir))
     return 0

@@ -117,18 +117,16 @@ def _asm(op: str, a, b):
 
 
 def fdiv(a, b, target: str):
-    """IEEE ``a / b``. Triton lowers ``/`` to the approximate ``div.full.f32``: use ``div.rn``."""
+    """IEEE ``a / b``. Triton lowers ``/`` to the approximate ``div.full.f32``: use ``div.rn``.
+
+    Products and sums are written exactly as in the reference, so that the kernel's compiler
+    may contract a multiply and an add into an FMA where XLA does for the reference (XLA:CPU
+    does under jit: the shift offset ``lo - xi * s`` then differs from the eager reference's
+    in the last bit for some buckets; the interpret-mode kernel equals the jitted reference).
+    """
     if target == "triton":
         return _asm("div.rn.f32", a, b)
     return a / b
-
-
-def fmul(a, b, target: str):
-    """``a * b`` rounded once. On Triton ``mul.rn`` is never contracted into an FMA with a
-    following add (as the reference on CPU is not)."""
-    if target == "triton":
-        return _asm("mul.rn.f32", a, b)
-    return a * b
 
 
 def round_even(t):

@@ -42,7 +42,7 @@ def _kernel(*refs, bits, rounding, output, target):
         s = kp.round_scale_up(kp.fdiv(hi - lo, jnp.float32(intervals), target))
         off = lo
         if rounding == "shift":
-            off = jnp.where(s == 0, lo, lo - kp.fmul(aux[0][...], s, target))
+            off = jnp.where(s == 0, lo, lo - aux[0][...] * s)
     inv = kp.inverse(s, target)
     if rounding == "stochastic":
         key = aux[0][...]
@@ -50,7 +50,7 @@ def _kernel(*refs, bits, rounding, output, target):
         ctr0 = aux[1][...] + pos
     qs = []
     for k, col in enumerate(cols):
-        t = kp.fmul(col - off, inv, target)
+        t = (col - off) * inv
         if rounding == "stochastic":
             u = kp.uniform(qz.mix32(qz.mix32(ctr0 + jnp.uint32(k)) ^ key))
             q = jnp.clip(jnp.floor(t + u), 0.0, float(top))
