@@ -35,8 +35,7 @@ def _data(shape, seed):
 
 @functools.partial(jax.jit, static_argnames=("bits", "bucket", "rounding"))
 def _ref_quantize(x, key, *, bits, bucket, rounding):
-    """The reference as the train step runs it: jitted (XLA:CPU contracts ``lo - xi * s`` into
-    an FMA under jit, so the eager reference can differ from it in an offset's last bit)."""
+    """The reference as the train step runs it: jitted."""
     qt = qz.quantize(x, bits, bucket, rounding, key)
     return qz.pack_bits(qt.codes, bits), qt.scales, qt.offsets, qt.dequantize()
 
@@ -76,7 +75,7 @@ def test_projection_snap_and_grid_pack_match_the_reference(bits, rounding, bucke
 def test_optimizer_projection_with_kernels_on_leaves_of_odd_length():
     """Single-device qsdp(): leaves of 4099 and 1000 elements (not multiples of the bucket or of
     8) are edge-padded to whole buckets; kernels and reference give the same updates and grid.
-    Everything jitted, as in training: the eager reference can differ in an offset's last bit."""
+    """
     params = {"a": _data((4099,), 1), "b": _data((10, 100), 2), "c": jnp.ones((3,))}
     grads = jax.tree.map(lambda p: 0.1 * jnp.cos(p), params)
     out = {}
@@ -94,13 +93,14 @@ def mesh():
     return q.make_mesh("fsdp")
 
 
-@pytest.mark.parametrize("bits,check_vma", [(3, False), (8, True)])
-def test_collectives_with_kernels_inside_shard_map(mesh, bits, check_vma):
+@pytest.mark.parametrize("bits", [3, 8])
+def test_collectives_with_kernels_inside_shard_map(mesh, bits):
     """On 8 devices: the QSDP all-gather (grid), the ZeRO++-style gather and the quantized
-    reduce-scatter give the reference's bits with the kernels in interpret mode."""
+    reduce-scatter give the reference's bits with the kernels in interpret mode. (Pallas's
+    interpreter fails under ``check_vma=True``: "dynamic_slice requires varying manual axes
+    to match"; the train step uses ``check_vma=False``.)"""
     bucket = 64
     x = _data((N * 3 * bucket,), 3)
-    grid_s, grid_o = jax.jit(lambda v: qz.quantize(v, bits, bucket, "nearest"))(x).scales, None
     qt = jax.jit(lambda v: qz.quantize(v, bits, bucket, "nearest"))(x)
     on_grid = qt.dequantize()
 
@@ -113,13 +113,13 @@ def test_collectives_with_kernels_inside_shard_map(mesh, bits, check_vma):
             return a, b, c
 
         spec = P("fsdp")
-        fn = jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(P(), P(), spec), check_vma=check_vma)
+        fn = jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec, spec), check_vma=False)
         return jax.jit(fn)(on_grid, qt.scales, qt.offsets)
 
     got, want = run("interpret"), run("reference")
-    chex.assert_trees_all_equal(got[0], on_grid)  # lossless
+    for gathered in np.asarray(got[0]).reshape(N, -1):  # every device: lossless
+        np.testing.assert_array_equal(gathered, on_grid)
     chex.assert_trees_all_equal(got, want)
-    del grid_s, grid_o
 
 
 CFG = dict(bucket_size=64, min_shard_size=128)

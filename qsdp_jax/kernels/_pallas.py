@@ -119,10 +119,8 @@ def _asm(op: str, a, b):
 def fdiv(a, b, target: str):
     """IEEE ``a / b``. Triton lowers ``/`` to the approximate ``div.full.f32``: use ``div.rn``.
 
-    Products and sums are written exactly as in the reference, so that the kernel's compiler
-    may contract a multiply and an add into an FMA where XLA does for the reference (XLA:CPU
-    does under jit: the shift offset ``lo - xi * s`` then differs from the eager reference's
-    in the last bit for some buckets; the interpret-mode kernel equals the jitted reference).
+    Products are kept from contracting into an FMA with the add that follows exactly as in
+    the reference (``qz.unfused``).
     """
     if target == "triton":
         return _asm("div.rn.f32", a, b)

@@ -42,7 +42,8 @@ def _kernel(*refs, bits, rounding, output, target):
         s = kp.round_scale_up(kp.fdiv(hi - lo, jnp.float32(intervals), target))
         off = lo
         if rounding == "shift":
-            off = jnp.where(s == 0, lo, lo - aux[0][...] * s)
+            xi = aux[0][...]
+            off = jnp.where(s == 0, lo, lo - qz.unfused(xi * s, s))
     inv = kp.inverse(s, target)
     if rounding == "stochastic":
         key = aux[0][...]
@@ -53,7 +54,7 @@ def _kernel(*refs, bits, rounding, output, target):
         t = (col - off) * inv
         if rounding == "stochastic":
             u = kp.uniform(qz.mix32(qz.mix32(ctr0 + jnp.uint32(k)) ^ key))
-            q = jnp.clip(jnp.floor(t + u), 0.0, float(top))
+            q = jnp.clip(jnp.floor(qz.unfused(t, u) + u), 0.0, float(top))
         else:
             q = kp.round_even(jnp.clip(t, 0.0, float(top)))
         qs.append(q)
