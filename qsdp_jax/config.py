@@ -17,7 +17,7 @@ WEIGHT_MODES = ("qsdp", "comm", "full")
 WEIGHT_ROUNDINGS = ("shift", "stochastic")
 GRAD_ROUNDINGS = ("stochastic", "nearest")
 FP_COMM_DTYPES = ("float32", "bfloat16")
-KERNEL_MODES = ("auto", "reference", "interpret")
+KERNEL_MODES = ("auto", "pallas", "reference", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +50,10 @@ class QSDPConfig:
         ``fp_comm_dtype="bfloat16"``.
       axis_name: the mesh axis the parameters are sharded over.
       kernels: who runs the quantize / pack hot path (see ``qsdp_jax.kernels.dispatch``):
-        ``"auto"`` (Pallas kernels on GPU and TPU, the jnp reference on CPU), ``"reference"``
-        (the jnp reference everywhere) or ``"interpret"`` (the kernels in Pallas interpret
-        mode on any backend; slow, for tests on CPU).
+        ``"auto"`` (Pallas kernels on GPU and TPU, the jnp reference on CPU), ``"pallas"``
+        (chosen per lowering platform, for exporting to GPU/TPU from a CPU host),
+        ``"reference"`` (the jnp reference everywhere) or ``"interpret"`` (the kernels in
+        Pallas interpret mode on any backend; slow, for tests on CPU).
     """
 
     weight_bits: int | None = 8

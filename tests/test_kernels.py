@@ -149,7 +149,7 @@ def test_train_step_with_kernels_repeats_the_reference(mesh):
 def test_train_step_with_kernels_lowers_for(mesh, platform, marker):
     """jax.export of the whole QSDP step for TPU / CUDA on this CPU machine: the kernels'
     custom calls are in the module (projection, snap, quantize+pack, unpack(+sum))."""
-    cfg = q.QSDPConfig.qsdp(8, 4, **CFG)
+    cfg = q.QSDPConfig.qsdp(8, 4, kernels="pallas", **CFG)
     opt = optim.qsdp(optax.adam(1e-2), cfg)
     state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
     step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
@@ -164,12 +164,26 @@ def test_train_step_with_kernels_lowers_for(mesh, platform, marker):
         assert f"qsdp_{name}" in text, name
 
 
+def test_auto_mode_traces_no_kernel_on_cpu(mesh):
+    """On a CPU-only process ``"auto"`` is the reference: the step's jaxpr holds no pallas_call,
+    while ``"pallas"`` carries the kernels (lowered only for GPU/TPU)."""
+    def jaxpr(mode):
+        cfg = q.QSDPConfig.qsdp(8, 4, kernels=mode, **CFG)
+        opt = optim.qsdp(optax.adam(1e-2), cfg)
+        state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
+        step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
+        return str(jax.make_jaxpr(step)(state, toymodel.batch(0)))
+
+    assert "pallas_call" not in jaxpr("auto")
+    assert "pallas_call" in jaxpr("pallas")
+
+
 @pytest.mark.parametrize("script", ["gpu_scripts/device_check.sh", "tpu_scripts/device_check.sh"])
 def test_device_check_scripts_parse_and_dry_run(script, tmp_path):
     path = os.path.join(ROOT, script)
     subprocess.run(["bash", "-n", path], check=True)
     out = subprocess.run(["bash", path, "--dry-run", str(tmp_path)], check=True, capture_output=True, text=True).stdout
-    assert "pytest" in out and "bench_kernels" in out and "check_kernels" in out
+    assert "pytest" in out and "bench_kernels" in out and "device_check kernels" in out
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
 
 

@@ -2,10 +2,12 @@
 
 Modes (``QSDPConfig.kernels``):
 
-* ``"auto"`` (default): ``lax.platform_dependent`` picks per lowering platform: the Triton
-  kernel on CUDA, the Mosaic kernel on TPU, the caller's jnp reference on CPU and anywhere
-  else (the CPU keeps its packing boundary and other XLA:CPU specifics). A jit lowered for
-  several platforms carries all branches.
+* ``"auto"`` (default): ``"pallas"`` in a process whose default backend is a GPU or TPU,
+  ``"reference"`` in a CPU-only one (so CPU runs trace no kernel at all).
+* ``"pallas"``: ``lax.platform_dependent`` picks per lowering platform: the Triton kernel on
+  CUDA, the Mosaic kernel on TPU, the caller's jnp reference on CPU and anywhere else (the CPU
+  keeps its packing boundary and other XLA:CPU specifics). A jit lowered for several platforms
+  carries all branches; ``jax.export`` from a CPU host to ``["cuda"]``/``["tpu"]`` uses this.
 * ``"reference"``: the jnp reference everywhere (to rule the kernels out, or to compare).
 * ``"interpret"``: the Pallas kernels in interpret mode on any backend (tests on CPU).
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
 from jax import lax
 
 from qsdp_jax.config import KERNEL_MODES
@@ -36,6 +39,8 @@ def select(mode: str, reference: Callable, kernel: Callable, *args, bucket: int)
     static arguments into the callables. Both must return the same pytree of shapes/dtypes.
     """
     check_mode(mode)
+    if mode == "auto":
+        mode = "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
     if mode == "reference":
         return reference(*args)
     if mode == "interpret":
