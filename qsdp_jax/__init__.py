@@ -4,6 +4,7 @@ The public API; see README.md for a walk-through and ``../DESIGN.md`` for the in
 """
 
 from qsdp_jax import optim  # noqa: F401  (``qsdp_jax.optim.qsdp``)
+from qsdp_jax import kernels  # noqa: F401  (``qsdp_jax.kernels``: Pallas hot path)
 from qsdp_jax.access import LocalParams, ParamAccess
 from qsdp_jax.collectives import (
     GatherSpec,
@@ -40,6 +41,7 @@ __all__ = [
     "dequantize",
     "gather_params",
     "init_train_state",
+    "kernels",
     "make_eval_step",
     "make_gather",
     "make_mesh",

@@ -42,9 +42,11 @@ def _ref_quantize(x, key, *, bits, bucket, rounding):
 
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_kernels_match_the_reference_bit_for_bit(bits):
-    """quantize+pack for the three roundings, unpack+dequantize, unpack+dequantize+sum: equal
-    to the reference for every bit width, buckets 64..4096, a bucket count (3 x 5 = 15) that is
-    not a multiple of the row block on GPU/TPU."""
+    """quantize+pack for the three roundings and unpack+dequantize: equal to the reference for
+    every bit width, buckets 64..4096, a bucket count (3 x 5 = 15) that is not a multiple of
+    the row block on GPU/TPU; unpack+dequantize+sum for one width of each packing family
+    (whole codes per byte, bit planes, bytes). (Each interpret-mode kernel costs an XLA compile
+    of about a second here: the grid is chosen to keep the file near a minute and a half.)"""
     for r, rounding in enumerate(qz.ROUNDINGS):
         if rounding == "shift" and bits == 1:
             continue
@@ -56,11 +58,12 @@ def test_kernels_match_the_reference_bit_for_bit(bits):
         chex.assert_trees_all_equal(got, (packed, scales, offsets))
     n = x.shape[-1]
     chex.assert_trees_all_equal(qk.unpack_dequantize(packed, scales, offsets, bits, bucket, n, target=T), values)
-    want = jax.jit(qc.sum_rows)(values)
-    chex.assert_trees_all_equal(qk.unpack_dequantize_sum(packed, scales, offsets, bits, bucket, n, target=T), want)
+    if bits in (2, 5, 8):
+        want = jax.jit(qc.sum_rows)(values)
+        chex.assert_trees_all_equal(qk.unpack_dequantize_sum(packed, scales, offsets, bits, bucket, n, target=T), want)
 
 
-@pytest.mark.parametrize("bits,rounding,bucket", [(2, "shift", 64), (8, "shift", 4096), (1, "stochastic", 128), (5, "stochastic", 1024)])
+@pytest.mark.parametrize("bits,rounding,bucket", [(2, "shift", 64), (5, "stochastic", 4096)])
 def test_projection_snap_and_grid_pack_match_the_reference(bits, rounding, bucket):
     x = _data((2, 3 * bucket), seed=bits)
     key = qz.derive_key(1, bits)
@@ -93,8 +96,7 @@ def mesh():
     return q.make_mesh("fsdp")
 
 
-@pytest.mark.parametrize("bits", [3, 8])
-def test_collectives_with_kernels_inside_shard_map(mesh, bits):
+def test_collectives_with_kernels_inside_shard_map(mesh, bits=3):
     """On 8 devices: the QSDP all-gather (grid), the ZeRO++-style gather and the quantized
     reduce-scatter give the reference's bits with the kernels in interpret mode. (Pallas's
     interpreter fails under ``check_vma=True``: "dynamic_slice requires varying manual axes
