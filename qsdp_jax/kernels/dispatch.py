@@ -44,10 +44,29 @@ def select(mode: str, reference: Callable, kernel: Callable, *args, bucket: int)
     if mode == "reference":
         return reference(*args)
     if mode == "interpret":
-        return kernel(*args, target="interpret")
+        return with_reference_vjp(reference, kernel, "interpret")(*args)
 
     def on(target):
-        return lambda *a: kernel(*a, target=target)
+        return with_reference_vjp(reference, kernel, target)
 
     cuda = on("triton") if kp.triton_ok(bucket) else reference
     return lax.platform_dependent(*args, cpu=reference, cuda=cuda, tpu=on("mosaic_tpu"), default=reference)
+
+
+def with_reference_vjp(reference: Callable, kernel: Callable, target: str) -> Callable:
+    """``kernel(*args, target=target)`` under a ``custom_vjp`` whose backward pass is the
+    reference's VJP: Pallas kernels have no autodiff of their own, and a gradient taken
+    through a kernel then equals the one taken through the reference."""
+
+    @jax.custom_vjp
+    def run(*args):
+        return kernel(*args, target=target)
+
+    def fwd(*args):
+        return kernel(*args, target=target), args
+
+    def bwd(args, ct):
+        return jax.vjp(reference, *args)[1](ct)
+
+    run.defvjp(fwd, bwd)
+    return run
