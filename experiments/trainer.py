@@ -22,7 +22,9 @@ import optax
 import qsdp_jax as q
 from experiments import data as textdata
 from experiments.gpt import GPT, GPTConfig
+from experiments.gpt_nnx import GPTModel, gpt_loss
 from qsdp_jax import comm, optim
+from qsdp_jax import nnx as qnnx
 
 SCHEDULES = ("cosine", "constant")
 
@@ -157,11 +159,13 @@ class Trainer:
                 f"batch_size={run.batch_size} does not divide over {n} devices: use a multiple of {n}"
             )
         self.optimizer = make_optimizer(run)
-        params = self.model.init_params(run.seed)
-        self.state = q.init_train_state(params, self.optimizer, self.mesh, run.qsdp,
-                                        stacked=self.model.stacked_groups)
-        self.step_fn = q.make_train_step(self.model.loss, self.optimizer, self.mesh, run.qsdp)
-        self.eval_fn = q.make_eval_step(self.model.loss, self.mesh, run.qsdp)
+        # The NNX module, trained through the front door with its own __call__ (the same step,
+        # bit for bit, as the ParamAccess GPT: tests/test_nnx_gpt.py); self.model keeps the
+        # config and the accounting.
+        self.module = GPTModel.from_params(self.model.cfg, self.model.init_params(run.seed))
+        self.state = qnnx.init_state(self.module, self.optimizer, self.mesh, run.qsdp)
+        self.step_fn = qnnx.make_train_step(self.module, gpt_loss, self.optimizer, self.mesh, run.qsdp)
+        self.eval_fn = qnnx.make_eval_step(self.module, gpt_loss, self.mesh, run.qsdp)
 
     @property
     def n_devices(self) -> int:

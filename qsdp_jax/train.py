@@ -62,12 +62,16 @@ class TrainState:
       opt_state: the optimizer state of each device's local params, stacked on a leading device
         axis sharded over the FSDP axis (so any optax state shards without extra rules).
       layout: static; maps ``params`` back to the model's pytree.
+      model_state: the non-parameter state of a Flax NNX model (``qsdp_jax.nnx``): batch
+        statistics, counters, RNG keys as ``{"path/to/var": array}``, replicated; ``None``
+        for the ``ParamAccess`` API.
     """
 
     step: jax.Array
     params: dict
     opt_state: PyTree
     layout: FlatLayout = dataclasses.field(metadata=dict(static=True))
+    model_state: PyTree = None
 
 
 class ShardedParams:

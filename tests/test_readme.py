@@ -6,11 +6,27 @@ from pathlib import Path
 import numpy as np
 
 
-def test_readme_usage_example_runs():
+def _blocks() -> list[str]:
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = re.search(r"## Usage\s+```python\n(.*?)```", text, re.S).group(1)
+    usage = text[text.index("## Usage"):]
+    return re.findall(r"```python\n(.*?)```", usage, re.S)
+
+
+def test_readme_first_example_trains_an_nnx_module():
+    """The first usage example is a Flax NNX user's: an nnx.Module trained through qsdp_jax.nnx."""
     env: dict = {}
-    exec(compile(block, "README.md", "exec"), env)
+    exec(compile(_blocks()[0], "README.md", "exec"), env)
+    assert np.isfinite(float(env["metrics"]["loss"]))
+    assert int(env["state"].step) == 1
+    assert env["state"].layout.group("blocks").stacked
+    trained = env["model"].blocks.fc.kernel[...]
+    assert trained.shape == (4, 128, 128)
+    assert not np.array_equal(np.asarray(trained), np.asarray(env["Model"](env["nnx"].Rngs(0)).blocks.fc.kernel[...]))
+
+
+def test_readme_usage_example_runs():
+    env: dict = {}
+    exec(compile(_blocks()[1], "README.md", "exec"), env)
     assert env["full"]["blocks"]["w"].shape == (12, 512, 512)
     assert np.isfinite(float(env["metrics"]["loss"]))
     assert int(env["state"].step) == 1

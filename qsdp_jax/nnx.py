@@ -1,0 +1,240 @@
+"""The Flax NNX front door: train an ordinary ``nnx.Module`` with QSDP on a mesh.
+
+Usage::
+
+    model = MyModel(rngs=nnx.Rngs(0))                       # any nnx.Module
+    def loss_fn(model, batch):                                # the ordinary NNX way
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    mesh = qsdp_jax.make_mesh()
+    config = qsdp_jax.QSDPConfig.qsdp(weight_bits=8, grad_bits=8)
+    opt = qsdp_jax.optim.qsdp(optax.adam(1e-3), config)
+    state = qsdp_jax.nnx.init_state(model, opt, mesh, config)
+    step = qsdp_jax.nnx.make_train_step(model, loss_fn, opt, mesh, config)
+    state, metrics = step(state, batch)
+    qsdp_jax.nnx.update(model, state)                          # weights back into the module
+
+The parameter groups (the unit of one gather), the layer stacks and the model state come from
+the module tree (``qsdp_jax.nnx_tree``; ``describe(model).groups`` lists what was found). The step is ``qsdp_jax.make_train_step`` with a loss
+that merges the module from its cached ``GraphDef`` with parameters gathered on first read
+(``qsdp_jax.nnx_scan``). Layer stacks are gathered one layer at a time where the forward
+scans them with :func:`scan` (the ``nnx.scan`` drop-in); read any other way a stack is
+gathered whole, with a warning, and ``step.summary(state, batch)`` states the memory this costs.
+
+RNG streams: every ``nnx.RngKey`` is folded with the step and the device index inside the step,
+so a dropout mask is a pure function of (seed, step, device, the call's position) and a resumed
+run draws exactly what the uninterrupted one did. Model state (``TrainState.model_state``):
+``nnx.BatchStat`` variables are averaged over the devices after each step (each device's
+statistics are of its slice of the batch); other non-parameter variables are carried as
+computed; RNG keys and counts are carried unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from qsdp_jax import train
+from qsdp_jax.config import QSDPConfig
+from qsdp_jax.nnx_scan import scan  # noqa: F401  (re-exported: qsdp_jax.nnx.scan)
+from qsdp_jax.nnx_scan import StepContext
+from qsdp_jax.nnx_tree import ModelDef, describe, group_params, model_state, set_model_state, set_params  # noqa: F401
+from qsdp_jax.sharding import check_mesh
+
+PyTree = Any
+
+__all__ = ["TrainStep", "describe", "init_state", "make_eval_step", "make_train_step", "scan", "update"]
+
+
+def init_state(
+    model: nnx.Module,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    config: QSDPConfig,
+    *,
+    stacked: Sequence[str] | None = None,
+) -> train.TrainState:
+    """The sharded :class:`qsdp_jax.TrainState` of ``model``'s parameters and model state.
+
+    ``stacked`` names the layer-stack groups when the automatic rule (``qsdp_jax.nnx_tree``)
+    guesses wrong; pass the same to :func:`make_train_step`.
+    """
+    mdef = describe(model, stacked)
+    state = train.init_train_state(group_params(model, mdef), optimizer, mesh, config, stacked=mdef.stacked)
+    replicated = NamedSharding(mesh, P())
+    values = jax.device_put(model_state(model, mdef), replicated)
+    return dataclasses.replace(state, model_state=values)
+
+
+def update(model: nnx.Module, state: train.TrainState) -> None:
+    """Write the state's weights (the optimizer's values) and model state into ``model``."""
+    mdef = describe(model, [g.name for g in state.layout.groups if g.stacked])
+    set_params(model, mdef, train.gather_params(state))
+    if state.model_state is not None:
+        set_model_state(model, mdef, state.model_state)
+
+
+class TrainStep:
+    """A jitted ``step(state, batch) -> (state, metrics[, aux])`` for an NNX model.
+
+    Also ``lower(state, batch)`` (for ``qsdp_jax.comm.comm_report``) and ``summary(state,
+    batch)``: how each group is gathered and the memory a whole-stack gather costs.
+    """
+
+    def __init__(self, model, loss_fn, optimizer, mesh, config, *, has_aux, aux_out_spec, donate,
+                 stacked, evaluate=False):
+        if not isinstance(config, QSDPConfig):
+            raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
+        self.mdef: ModelDef = describe(model, stacked)
+        self.n = check_mesh(mesh, config.axis_name)
+        self.loss_fn, self.optimizer, self.mesh, self.config = loss_fn, optimizer, mesh, config
+        self.has_aux, self.aux_out_spec, self.evaluate = has_aux, aux_out_spec, evaluate
+        self.record: dict[str, str] = {}
+        self._jitted = jax.jit(self._step, donate_argnums=(0,) if donate and not evaluate else ())
+
+    def __call__(self, state: train.TrainState, batch: PyTree):
+        return self._jitted(state, batch)
+
+    def lower(self, state, batch):
+        return self._jitted.lower(state, batch)
+
+    # --- the step ---------------------------------------------------------------------------
+    def _loss(self, access, xbatch):
+        batch = xbatch["batch"]
+        extra = jax.tree.map(lambda x: x[0], xbatch["extra"])
+        ctx = StepContext(access, self.mdef, self.config.axis_name, self.record)
+        with ctx.active():
+            module = ctx.build(extra["state"], extra["step"])
+            out = self.loss_fn(module, batch)
+        loss, aux = _split_loss(out, self.has_aux)
+        return loss, {"aux": aux, "state": ctx.read_state(module, extra["state"])}
+
+    def _step(self, state: train.TrainState, batch):
+        self._check_layout(state)
+        self.record.clear()  # filled while this trace runs the loss
+        tile = lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (self.n, *jnp.shape(x)))  # noqa: E731
+        extra = {"state": jax.tree.map(tile, state.model_state or {}), "step": tile(state.step)}
+        xbatch = {"batch": batch, "extra": extra}
+        inner = dataclasses.replace(state, model_state=None)
+        if self.evaluate:
+            fn = train.make_eval_step(lambda p, b: self._loss(p, b)[0], self.mesh, self.config)
+            return fn(inner, xbatch)
+        aux_spec = P(self.config.axis_name) if self.aux_out_spec is None else self.aux_out_spec
+        fn = train.make_train_step(self._loss, self.optimizer, self.mesh, self.config, has_aux=True,
+                                   aux_out_spec={"aux": aux_spec, "state": P()}, donate=False)
+        new, metrics, aux = fn(inner, xbatch)
+        new = dataclasses.replace(new, model_state=aux["state"])
+        self._warn_whole()
+        return (new, metrics, aux["aux"]) if self.has_aux else (new, metrics)
+
+    def _check_layout(self, state):
+        if not isinstance(state, train.TrainState):
+            raise TypeError(f"expected the TrainState from qsdp_jax.nnx.init_state, got {type(state).__name__}")
+        have = tuple(g.name for g in state.layout.groups)
+        want = tuple(g.name for g in self.mdef.groups)
+        stacked = tuple(g.name for g in state.layout.groups if g.stacked)
+        if have != want or stacked != self.mdef.stacked:
+            raise ValueError(
+                f"the state's groups {have} (stacked {stacked}) are not this model's {want} "
+                f"(stacked {self.mdef.stacked}): make the state with qsdp_jax.nnx.init_state from "
+                "the same model, with the same stacked="
+            )
+
+    # --- what the step gathers ---------------------------------------------------------------
+    def _warn_whole(self):
+        whole = [n for n in self.mdef.stacked if self.record.get(n) == "whole"]
+        if whole:
+            warnings.warn(
+                f"layer stack(s) {whole} are gathered whole (all layers at once), not one layer at "
+                "a time: scan them with qsdp_jax.nnx.scan in the forward to keep FSDP's memory "
+                "saving (step.summary(state, batch) gives the cost)",
+                stacklevel=3,
+            )
+
+    def summary(self, state: train.TrainState, batch: PyTree) -> str:
+        """How each group is gathered in this step, and the peak bytes of gathered weights."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            jax.eval_shape(lambda s, b: self._step(s, b), state, batch)  # a fresh trace
+        rows = [f"{'group':<16}{'layers':>7}  {'gathered':<11}{'held at once':>14}  note"]
+        peak = 0
+        for g in state.layout.groups:
+            how = self.record.get(g.name, "not read")
+            per_layer = 4 * g.flat_size  # the fp32 gather buffer of one layer
+            held = per_layer * (g.n_layers if (g.stacked and how == "whole") else 1)
+            note = ""
+            if g.stacked and how == "whole":
+                note = (f"whole stack: {_mib(held)} instead of {_mib(per_layer)} per layer "
+                        "(scan it with qsdp_jax.nnx.scan)")
+            if how != "not read":
+                peak += held
+            rows.append(f"{g.name:<16}{g.n_layers:>7}  {how:<11}{_mib(held):>14}  {note}")
+        rows.append(f"gathered weights held at once, at most: {_mib(peak)} per device")
+        return "\n".join(rows)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f} MiB"
+
+
+def _split_loss(out, has_aux: bool):
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"with has_aux=True, loss_fn must return (loss, aux), got {type(out).__name__}")
+        loss, aux = out
+    else:
+        loss, aux = out, None
+    if isinstance(out, tuple) and not has_aux:
+        raise ValueError("loss_fn returned a tuple: return a scalar loss, or (loss, aux) with has_aux=True")
+    floating = hasattr(loss, "dtype") and jnp.issubdtype(jnp.result_type(loss), jnp.floating)
+    if not floating or jnp.shape(loss) != ():
+        raise ValueError(
+            f"loss_fn must return a scalar floating loss (the mean over the local batch); got "
+            f"shape {jnp.shape(loss)} dtype {jnp.result_type(loss)}"
+        )
+    return loss, aux
+
+
+def make_train_step(
+    model: nnx.Module,
+    loss_fn: Callable[[nnx.Module, PyTree], Any],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    config: QSDPConfig,
+    *,
+    has_aux: bool = False,
+    aux_out_spec: Any = None,
+    donate: bool = True,
+    stacked: Sequence[str] | None = None,
+) -> TrainStep:
+    """The sharded train step of ``loss_fn(model, batch)`` (see the module docstring).
+
+    The step runs the module as it is now (train/eval mode, structure); only its values come
+    from the state. Metrics as ``qsdp_jax.make_train_step``; ``aux`` (with ``has_aux``) is
+    concatenated over the devices on its leading axis unless ``aux_out_spec`` says otherwise.
+    """
+    return TrainStep(model, loss_fn, optimizer, mesh, config, has_aux=has_aux,
+                     aux_out_spec=aux_out_spec, donate=donate, stacked=stacked)
+
+
+def make_eval_step(
+    model: nnx.Module,
+    loss_fn: Callable[[nnx.Module, PyTree], Any],
+    mesh: Mesh,
+    config: QSDPConfig,
+    *,
+    stacked: Sequence[str] | None = None,
+) -> TrainStep:
+    """A jitted ``eval(state, batch) -> mean loss`` with the training gathers; the model state
+    is read, not updated (put the module in eval mode first, e.g. ``model.eval()``)."""
+    return TrainStep(model, loss_fn, None, mesh, config, has_aux=False, aux_out_spec=None,
+                     donate=False, stacked=stacked, evaluate=True)

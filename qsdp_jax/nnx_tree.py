@@ -1,0 +1,257 @@
+"""What the Flax NNX front door reads from a module: its parameter groups, its layer stacks and
+its non-parameter state.
+
+* **Groups** (the unit of one gather): every top-level attribute of the module that holds
+  parameters, and every entry of a top-level ``nnx.List`` / ``nnx.Dict`` (named ``"blocks/0"``,
+  ``"layers/attn"``, ...). A group's parameters are its ``nnx.to_pure_dict`` nested dict.
+* **Layer stacks**: a group is a stack of layers (as ``nnx.vmap`` + ``nnx.split_rngs`` make
+  them) when it holds at least two parameters, every parameter has at least two dimensions and
+  every variable in it (parameters, batch statistics, RNG keys and counts) shares one leading
+  size, the layer count, and no flax layer in it (``nnx.Linear``, ``nnx.Embed``, the norms)
+  holds a parameter of exactly its declared shape (an ``nnx.Embed`` table next to a position
+  table of the same length is not a stack). An unstacked module almost always has a 1-D
+  parameter (a bias, a norm scale) or parameters of different leading sizes; name the stacks
+  yourself (``stacked=``) where the rule guesses wrong.
+* **Model state**: every variable that is not an ``nnx.Param``, as a flat dict
+  ``{"a/b/c": array}``: batch statistics and counters (updated by the step), RNG keys (kept as
+  raw key data, so the state holds plain arrays) and RNG counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+PyTree = Any
+Path = tuple
+
+
+def path_str(path: Path) -> str:
+    """``("blocks", 0, "kernel") -> "blocks/0/kernel"``."""
+    return "/".join(str(k) for k in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One parameter group of a module."""
+
+    name: str
+    path: Path  # where the group's sub-module (or parameter) sits in the module
+    stacked: bool
+    n_layers: int  # 0 if not stacked
+
+
+@dataclasses.dataclass(frozen=True)
+class VarSpec:
+    """One variable of the module: where it is, its type and metadata, its shape."""
+
+    path: Path
+    type: type
+    metadata: dict
+    shape: tuple
+    dtype: Any
+    key_impl: Any = None  # for RNG keys: the PRNG implementation
+
+    def make(self, value) -> nnx.Variable:
+        """A fresh variable of this kind holding ``value`` (created in the current trace)."""
+        return self.type.from_metadata(value, dict(self.metadata))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelDef:
+    """Everything static about a module that the sharded step needs (no arrays)."""
+
+    graphdef: Any
+    groups: tuple[Group, ...]
+    params: tuple[VarSpec, ...]
+    others: tuple[VarSpec, ...]  # non-parameter variables
+    layer_defs: dict  # stacked group name -> (graphdef of one layer, {path: VarSpec} in it)
+
+    def group(self, name: str) -> Group:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"unknown parameter group {name!r}; groups are {[g.name for g in self.groups]}")
+
+    @property
+    def stacked(self) -> tuple[str, ...]:
+        return tuple(g.name for g in self.groups if g.stacked)
+
+    def group_of(self, path: Path) -> Group | None:
+        for g in self.groups:
+            if path[: len(g.path)] == g.path:
+                return g
+        return None
+
+
+def _spec(path: Path, var: nnx.Variable) -> VarSpec:
+    value = var.get_raw_value()
+    impl = None
+    if isinstance(var, nnx.RngKey):
+        impl = jax.random.key_impl(value)
+    return VarSpec(tuple(path), type(var), dict(var.get_metadata()), tuple(jnp.shape(value)),
+                   jnp.result_type(value) if impl is None else None, impl)
+
+
+def describe(model: nnx.Module, stacked: Sequence[str] | None = None) -> ModelDef:
+    """The :class:`ModelDef` of ``model`` (see the module docstring for the rules).
+
+    Raises ``ValueError`` for a module without ``nnx.Param`` and for unknown ``stacked`` names.
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"expected an nnx.Module, got {type(model).__name__}")
+    graphdef, params, others = nnx.split(model, nnx.Param, ...)
+    pspecs = tuple(_spec(p, v) for p, v in nnx.to_flat_state(params))
+    ospecs = tuple(_spec(p, v) for p, v in nnx.to_flat_state(others))
+    if not pspecs:
+        raise ValueError(
+            f"{type(model).__name__} has no nnx.Param: there is nothing to shard or train "
+            "(parameters must be nnx.Param variables, e.g. those of nnx.Linear)"
+        )
+    prefixes = []
+    for spec in pspecs:
+        head = spec.path[:1]
+        container = getattr(model, str(head[0]), None) if not isinstance(head[0], int) else None
+        if len(spec.path) > 1 and isinstance(container, (nnx.List, nnx.Dict, list, tuple, dict)):
+            head = spec.path[:2]
+        if head not in prefixes:
+            prefixes.append(head)
+    names = {path_str(p): p for p in prefixes}
+    if stacked is not None:
+        unknown = sorted(set(stacked) - set(names))
+        if unknown:
+            raise ValueError(f"stacked groups {unknown} are not groups of the module (groups: {sorted(names)})")
+    groups, layer_defs = [], {}
+    for name, prefix in sorted(names.items()):
+        inside = lambda specs: [s for s in specs if s.path[: len(prefix)] == prefix]  # noqa: E731
+        p_in, o_in = inside(pspecs), inside(ospecs)
+        n = _layer_count(p_in, o_in, _declared_evidence(_submodule(model, prefix)))
+        is_stacked = (n is not None) if stacked is None else name in stacked
+        if is_stacked and n is None:
+            raise ValueError(
+                f"group {name!r} is named in stacked= but its variables do not share one leading "
+                f"(layer) axis: shapes {[s.shape for s in p_in + o_in]}"
+            )
+        groups.append(Group(name, prefix, is_stacked, n if is_stacked else 0))
+        if is_stacked:
+            layer_defs[name] = _layer_def(_submodule(model, prefix), prefix)
+    return ModelDef(graphdef, tuple(groups), pspecs, ospecs, layer_defs)
+
+
+def _declared_evidence(node) -> set:
+    """What flax's own layers in ``node`` say: their parameters' declared shapes against the
+    actual ones. ``{None}``: a layer holds exactly its declared shape (not a stack); ``{n}``:
+    an extra leading axis of ``n`` (a stack). Empty when ``node`` holds no such layer."""
+    if not isinstance(node, nnx.Module):
+        return set()
+    evidence = set()
+    for _, m in nnx.iter_modules(node):
+        for name, declared in _declared_shapes(m).items():
+            var = getattr(m, name, None)
+            if not isinstance(var, nnx.Variable):
+                continue
+            shape = tuple(jnp.shape(var.get_raw_value()))
+            if shape == declared:
+                evidence.add(None)
+            elif shape[1:] == declared:
+                evidence.add(shape[0])
+    return evidence
+
+
+def _declared_shapes(m) -> dict[str, tuple]:
+    if type(m) is nnx.Linear:
+        return {"kernel": (m.in_features, m.out_features), "bias": (m.out_features,)}
+    if type(m) is nnx.Embed:
+        return {"embedding": (m.num_embeddings, m.features)}
+    if type(m) in (nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm) and isinstance(m.num_features, int):
+        return {k: (m.num_features,) for k in ("scale", "bias", "mean", "var")}
+    return {}
+
+
+def _layer_count(params: list[VarSpec], others: list[VarSpec], evidence: set = frozenset()) -> int | None:
+    """The layer count if these variables look like a layer stack (see module docstring)."""
+    if None in evidence or len(evidence) > 1:
+        return None
+    if len(params) < 2 or any(len(s.shape) < 2 for s in params):
+        return None
+    if any(len(s.shape) < 1 for s in others):
+        return None
+    leading = {s.shape[0] for s in params + others}
+    return leading.pop() if len(leading) == 1 else None
+
+
+def _submodule(model, path: Path):
+    node = model
+    for k in path:
+        node = node[k] if isinstance(node, (nnx.List, nnx.Dict, list, tuple, dict)) else getattr(node, str(k))
+    return node
+
+
+def submodule(model, path: Path):
+    """The node at ``path`` in ``model`` (attributes, ``nnx.List`` / ``nnx.Dict`` entries)."""
+    return _submodule(model, path)
+
+
+def _layer_def(stack: nnx.Module, prefix: Path):
+    """(graphdef, {relative path: VarSpec of ONE layer}) of a layer stack."""
+    graphdef, state = nnx.split(stack)
+    specs = {}
+    for p, v in nnx.to_flat_state(state):
+        s = _spec(p, v)
+        specs[tuple(p)] = dataclasses.replace(s, shape=s.shape[1:])
+    return graphdef, specs
+
+
+# ----------------------------------------------------------------------------------------------
+# Values: groups of parameters and the flat model state
+# ----------------------------------------------------------------------------------------------
+def group_params(model: nnx.Module, mdef: ModelDef) -> dict[str, PyTree]:
+    """``{group name: nested pure dict of the group's parameters}`` (a bare parameter: the
+    array itself): the parameter dict the low-level API (``init_train_state``) takes."""
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    out = {}
+    for g in mdef.groups:
+        node = pure
+        for k in g.path:
+            node = node[k]
+        out[g.name] = node
+    return out
+
+
+def model_state(model: nnx.Module, mdef: ModelDef) -> dict[str, jax.Array]:
+    """The non-parameter variables as ``{"a/b": array}`` (RNG keys as raw key data)."""
+    others = nnx.state(model, nnx.Not(nnx.Param))
+    out = {}
+    for p, v in nnx.to_flat_state(others):
+        value = v.get_raw_value()
+        if isinstance(v, nnx.RngKey):
+            value = jax.random.key_data(value)
+        out[path_str(p)] = jnp.asarray(value)
+    return out
+
+
+def set_params(model: nnx.Module, mdef: ModelDef, groups: dict[str, PyTree]) -> None:
+    """Write group parameters (as from :func:`group_params`) into ``model`` in place."""
+    state = nnx.state(model, nnx.Param)
+    for path, var in nnx.to_flat_state(state):
+        g = mdef.group_of(tuple(path))
+        node = groups[g.name]
+        for k in tuple(path)[len(g.path):]:
+            node = node[k]
+        var.set_value(jnp.asarray(node, var.get_raw_value().dtype))
+    nnx.update(model, state)
+
+
+def set_model_state(model: nnx.Module, mdef: ModelDef, values: dict[str, jax.Array]) -> None:
+    """Write a flat model state (as from :func:`model_state`) into ``model`` in place."""
+    state = nnx.state(model, nnx.Not(nnx.Param))
+    for path, var in nnx.to_flat_state(state):
+        value = values[path_str(path)]
+        if isinstance(var, nnx.RngKey):
+            value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(var.get_raw_value()))
+        var.set_value(value)
+    nnx.update(model, state)
