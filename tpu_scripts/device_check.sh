@@ -10,6 +10,7 @@
 # 64..4096), runs experiments/bench_kernels.py (each pass vs a plain copy; Mosaic TPU has no
 # stated target), times one step of the `small` GPT with fp32 FSDP and QSDP W8G8, writes JSON
 # to OUT_DIR and prints one summary table last. Exit status: the first failing step's.
+# PYTHON=/path/to/python picks the interpreter (default: python on PATH).
 set -euo pipefail
 
 usage() { echo "usage: $0 [--dry-run] OUT_DIR" >&2; exit 2; }
@@ -24,6 +25,8 @@ for arg in "$@"; do
   esac
 done
 [[ -n "$OUT" ]] || usage
+case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac  # absolute: the script runs from the repo root
+cd "$(dirname "${BASH_SOURCE[0]}")/.."  # the repository root
 PY="${PYTHON:-python}"
 # the TPU first, the host CPU for the CPU reference; the tests' conftest keeps this value
 export JAX_PLATFORMS="tpu,cpu"
