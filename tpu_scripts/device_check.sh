@@ -41,9 +41,9 @@ step() { run "$@" || { rc=$?; echo "step failed ($rc): $*" >&2; [[ "$STATUS" != 
 
 run mkdir -p "$OUT"
 step "$PY" -c "import jax; d = jax.devices()[0]; assert d.platform == 'tpu', d; print(d.device_kind)"
-step timeout 90 "$PY" -m pytest -q -m tpu tests/test_kernels.py --junitxml "$OUT/tpu_tests.xml"
-step timeout 120 "$PY" -m experiments.device_check kernels --out "$OUT"
+step timeout 75 "$PY" -m pytest -q -m tpu tests/test_kernels.py --junitxml "$OUT/tpu_tests.xml"
+step timeout 150 "$PY" -m experiments.device_check kernels --out "$OUT"
 step timeout 60 "$PY" -m experiments.bench_kernels --elements 33554432 --modes auto reference --repeats 20 --out "$OUT"
-step timeout 75 "$PY" -m experiments.device_check step --out "$OUT"
+step timeout 60 "$PY" -m experiments.device_check step --out "$OUT"
 run "$PY" -m experiments.device_check table "$OUT"
 exit "$STATUS"
