@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from experiments.devices import simulate_cpu_devices
+from experiments.run_files import Stopped, open_checkpoints, resume_step, train_loop
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = REPO_ROOT / "runs"
@@ -126,6 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip compiling the fp32 step for the bytes-vs-fp32 ratio")
     o.add_argument("--quiet", action="store_true",
                    help="no progress line; a one-line summary instead of the full one")
+
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="where checkpoints go (default: <out>/checkpoints when --checkpoint-every "
+                   "or --resume is given)")
+    c.add_argument("--checkpoint-every", type=_positive, default=None,
+                   help="save every N steps, asynchronously (and always on SIGTERM/SIGINT and at the end)")
+    c.add_argument("--keep", type=_positive, default=3, help="complete checkpoints kept (default: 3)")
+    c.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint (start fresh when there is none); "
+                   "metrics continue the same metrics.jsonl")
+    c.add_argument("--failure-timeout", type=float, default=None, metavar="S",
+                   help="exit (status 75, after trying to save) when no step finishes for S seconds "
+                   "or a collective fails, e.g. a peer process died (default: off; 60 is a good bound "
+                   "for multi-process runs)")
     return p
 
 
@@ -179,11 +195,11 @@ def default_out(preset: str, name: str) -> Path:
     return RUNS_DIR / f"{preset}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def check_out_dir(out: Path, overwrite: bool) -> None:
+def check_out_dir(out: Path, overwrite: bool, resume: bool = False) -> None:
     """CLIError if ``out`` is unusable or holds files and ``overwrite`` is not set."""
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    if out.is_dir() and any(out.iterdir()) and not overwrite and not resume:
         raise CLIError(
             f"output directory {out} exists and is not empty; pass --overwrite to replace its "
             f"run files ({', '.join(ARTIFACTS)}) or choose another --out"
@@ -294,8 +310,14 @@ def plot_loss(history, path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    import io
+
+    from experiments.run_files import write_atomic
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
     plt.close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 def summary_text(summary: dict, report_table: str | None) -> str:
@@ -386,12 +408,12 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
             f"{args.devices}"
         )
     if args.out is not None:
-        check_out_dir(Path(args.out), args.overwrite)  # before the (slow) jax import
+        check_out_dir(Path(args.out), args.overwrite, args.resume)  # before the (slow) jax import
     simulate_cpu_devices(args.devices)
     devices = select_devices(args.devices)
     cfg, run = build_run_config(args)
     out = Path(args.out) if args.out is not None else default_out(args.preset, cfg.name)
-    check_out_dir(out, args.overwrite)
+    check_out_dir(out, args.overwrite, args.resume)
 
     from experiments import trainer as tr
 
@@ -410,8 +432,8 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
         raise CLIError(f"cannot set up the run: {e}") from None
 
     out.mkdir(parents=True, exist_ok=True)
-    for name in ARTIFACTS:
-        (out / name).unlink(missing_ok=True)
+    ckpts = open_checkpoints(args, out)
+    start = resume_step(ckpts, trainer, args) if ckpts is not None else 0
     config = run.as_dict()
     config.update(
         name=cfg.name,
@@ -421,7 +443,9 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
         data_source=trainer.dataset.source,
         argv=list(getattr(args, "argv", None) or []),
     )
-    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    from experiments.run_files import write_atomic
+
+    write_atomic(out / "config.json", json.dumps(config, indent=1) + "\n")
 
     t_compile = time.perf_counter()
     report = trainer.wire_report()  # compiles the step (the first step then reuses it)
@@ -435,20 +459,7 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
 
     setup_s = time.perf_counter() - t_start
     progress = Progress(run.steps, run.batch_size * trainer.model.cfg.seq_len, enabled=not args.quiet)
-    history = []
-    with open(out / "metrics.jsonl", "w") as f:
-        try:
-            for log in trainer.steps():
-                history.append(log)
-                f.write(json.dumps(dataclasses.asdict(log)) + "\n")
-                f.flush()
-                progress.update(log)
-        except BaseException:
-            if progress.tty and progress.enabled:
-                sys.stderr.write("\n")
-            print(f"training stopped at step {len(history)}/{run.steps}; the metrics so far are in "
-                  f"{out / 'metrics.jsonl'}", file=sys.stderr)
-            raise
+    history = train_loop(trainer, out, start, progress, ckpts, args.failure_timeout)
 
     result = tr.summarise(trainer, history, report, time.perf_counter() - t_start, compile_s)
     summary = {k: v for k, v in result.as_dict().items() if k != "history"}
@@ -457,7 +468,7 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
         fp32_wire_bytes_per_step=fp32_bytes,
         bytes_ratio_vs_fp32=(fp32_bytes / report.total_bytes) if fp32_bytes and report.total_bytes else None,
     )
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     model = trainer.model.cfg
     plot_loss(history, out / "loss.png",
               f"{cfg.name}: GPT d{model.d_model} L{model.n_layers} on {trainer.n_devices} simulated devices")
@@ -486,6 +497,9 @@ def main(argv=None) -> int:
             return int(exit_.code)
     except KeyboardInterrupt:
         return 130
+    except Stopped as e:
+        print(str(e), file=sys.stderr)
+        return e.code
     return 0
 
 

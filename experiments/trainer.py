@@ -101,7 +101,7 @@ def make_schedule(run: RunConfig) -> optax.Schedule:
 
 def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
     lr = make_schedule(run)
-    base = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, b2=0.99, weight_decay=run.weight_decay))
+    base = optax.chain(optim.clip_by_global_norm(1.0), optax.adamw(lr, b2=0.99, weight_decay=run.weight_decay))
     return optim.qsdp(base, run.qsdp)
 
 

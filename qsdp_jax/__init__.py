@@ -15,9 +15,11 @@ from qsdp_jax.collectives import (
     quantized_reduce_scatter,
     reduce_scatter_fp,
 )
+from qsdp_jax.checkpoint import CheckpointMismatch, Checkpointer
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.quantizers import QTensor, dequantize, pack_bits, quantize, unpack_bits
 from qsdp_jax.sharding import FlatLayout, make_mesh
+from qsdp_jax.watchdog import StepWatchdog
 from qsdp_jax.train import (
     ShardedParams,
     TrainState,
@@ -29,6 +31,8 @@ from qsdp_jax.train import (
 )
 
 __all__ = [
+    "CheckpointMismatch",
+    "Checkpointer",
     "FlatLayout",
     "GatherSpec",
     "LocalParams",
@@ -36,6 +40,7 @@ __all__ = [
     "QSDPConfig",
     "QTensor",
     "ShardedParams",
+    "StepWatchdog",
     "TrainState",
     "abstract_train_state",
     "all_gather_fp",

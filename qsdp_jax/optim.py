@@ -74,6 +74,8 @@ class QSDPState:
         leaves kept in full precision).
       inner: the base transformation's state.
       bits, bucket: static, checked against the train step's config.
+      config: static, the whole config the optimizer was built with (the train step refuses
+        another one).
     """
 
     count: jax.Array
@@ -82,6 +84,7 @@ class QSDPState:
     inner: PyTree
     bits: int | None = dataclasses.field(metadata=dict(static=True))
     bucket: int = dataclasses.field(metadata=dict(static=True))
+    config: QSDPConfig | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,7 +103,11 @@ def _geometry(x: jax.Array, sharded: bool, bucket: int) -> _Geometry:
     if sharded:
         cols = x.shape[-1]
         if cols % bucket:
-            raise ValueError(f"sharded leaf of local length {cols} is not whole buckets of {bucket}")
+            raise ValueError(
+                f"sharded leaf of local length {cols} is not whole buckets of {bucket}: the "
+                f"optimizer was built with QSDPConfig.bucket_size={bucket}, the train state's "
+                "layout with another; build both from the same QSDPConfig"
+            )
         return _Geometry(True, x.size // cols, cols, cols)
     return _Geometry(False, 1, -(-x.size // bucket) * bucket, x.size)
 
@@ -230,15 +237,22 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
         leaves, treedef = jax.tree_util.tree_flatten(params)
         mask = _mask_for(params, config, ctx) if projecting else [False] * len(leaves)
         count = jnp.zeros((), jnp.int32)
+        inner = base.init(params)
+        if find_qsdp_state(inner) is not None:
+            raise ValueError(
+                "the optimizer is wrapped with qsdp_jax.optim.qsdp() twice: wrap the base "
+                "optimizer once (qsdp(base, config))"
+            )
         empty = [_empty()] * len(leaves)
         _, scales, offsets = _project_leaves(leaves, mask, count, config, ctx, empty, empty)
         return QSDPState(
             count=count,
             scales=jax.tree_util.tree_unflatten(treedef, scales),
             offsets=jax.tree_util.tree_unflatten(treedef, offsets),
-            inner=base.init(params),
+            inner=inner,
             bits=config.weight_bits if projecting else None,
             bucket=config.bucket_size,
+            config=config,
         )
 
     def update(updates, state: QSDPState, params=None, **extra_args):
@@ -263,7 +277,7 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
             offsets = jax.tree_util.tree_unflatten(treedef, new_o)
         new_state = QSDPState(
             count=count, scales=scales, offsets=offsets, inner=inner_state,
-            bits=state.bits, bucket=state.bucket,
+            bits=state.bits, bucket=state.bucket, config=state.config,
         )
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         out_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), inner_updates)
@@ -315,3 +329,54 @@ def init_on_grid(params: PyTree, optimizer: optax.GradientTransformation, config
     """``(params projected onto the initial grid, opt_state)`` for a single-device loop."""
     opt_state = optimizer.init(params)
     return snap_to_grid(params, opt_state, config), opt_state
+
+
+def global_norm(tree: PyTree) -> jax.Array:
+    """The L2 norm of ``tree``; inside the sharded train step (:func:`sharding_context`), of the
+    *global* tree: the local shards' squares are summed over the devices, replicated leaves
+    counted once. (``optax.global_norm`` there sees only this device's shards.)"""
+    ctx = _CONTEXT.get()
+    leaves = jax.tree_util.tree_leaves(tree)
+    if ctx is None:
+        return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+    mask = jax.tree_util.tree_leaves(ctx.mask)
+    if len(mask) != len(leaves):
+        raise ValueError("sharding_context mask does not match the updates' structure")
+    sq = lambda xs: jnp.asarray(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in xs), jnp.float32)  # noqa: E731
+    sharded = lax.psum(sq([x for x, m in zip(leaves, mask) if m]), ctx.axis_name)
+    return jnp.sqrt(sharded + sq([x for x, m in zip(leaves, mask) if not m]))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm`` that is correct inside the sharded train step.
+
+    optax's version computes the norm of what it is given, which in the sharded step is one
+    device's shards: every device then clips by a different factor, and replicated leaves
+    drift apart across devices. This one uses :func:`global_norm` (the same result as optax's
+    outside the step).
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} is invalid: must be > 0")
+
+    def update(updates, state, params=None):
+        del params
+        norm = global_norm(updates)
+        factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda u: (u * factor).astype(u.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def check_same_config(opt_state: PyTree, config: QSDPConfig) -> None:
+    """A clear error when ``opt_state`` was made by ``qsdp(base, other)`` with ``other !=
+    config`` (naming the first differing field), or holds more than one QSDPState."""
+    st = find_qsdp_state(opt_state)
+    if st is None or st.config is None or st.config == config:
+        return
+    for f in dataclasses.fields(QSDPConfig):
+        a, b = getattr(st.config, f.name), getattr(config, f.name)
+        if a != b:
+            raise ValueError(
+                f"the optimizer was built with QSDPConfig.{f.name}={a!r} but the train step's "
+                f"config has {f.name}={b!r}: build both from the same QSDPConfig"
+            )

@@ -130,7 +130,7 @@ class FlatLayout:
                 shape = tuple(np.shape(x)[1:] if is_stacked else np.shape(x))
                 size = math.prod(shape)
                 dtype = _dtype(x)
-                if not jnp.issubdtype(dtype, jnp.floating) or size < min_shard_size:
+                if not jnp.issubdtype(dtype, jnp.floating) or size < min_shard_size or size == 0:
                     replicated.append(i)
                     continue
                 slots.append(Slot(i, shape, str(dtype), offset, size))

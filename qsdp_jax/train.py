@@ -44,6 +44,7 @@ from qsdp_jax import optim as qoptim
 from qsdp_jax import quantizers as qz
 from qsdp_jax.collectives import GatherSpec, make_gather
 from qsdp_jax.config import QSDPConfig
+from qsdp_jax.guards import CheckedStep, check_params, warn_padding
 from qsdp_jax.sharding import FlatLayout, check_mesh
 
 PyTree = Any
@@ -172,6 +173,7 @@ def init_train_state(
       params: a dict of groups (see ``qsdp_jax.access``).
       stacked: the groups whose leaves carry a leading layer axis (read with ``scan``).
     """
+    check_params(params, stacked)
     layout = _layout(params, mesh, config, stacked)
     flatten = jax.jit(layout.flatten, out_shardings=layout.shardings(mesh, config.axis_name))
     p, opt_state = _init_fn(layout, optimizer, mesh, config)(flatten(params))
@@ -206,8 +208,12 @@ def abstract_train_state(
 
 def _layout(params, mesh: Mesh, config: QSDPConfig, stacked: Sequence[str]) -> FlatLayout:
     _check_config(config)
+    if isinstance(stacked, str):
+        check_params({}, stacked)
     n = check_mesh(mesh, config.axis_name)
-    return FlatLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked)
+    layout = FlatLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked)
+    warn_padding(layout, config)
+    return layout
 
 
 def _init_fn(layout: FlatLayout, optimizer, mesh: Mesh, config: QSDPConfig):
@@ -219,6 +225,7 @@ def _init_fn(layout: FlatLayout, optimizer, mesh: Mesh, config: QSDPConfig):
     def local_init(p):
         with qoptim.sharding_context(axis, n, _sharded_mask(p)):
             opt_state = optimizer.init(p)
+            qoptim.check_same_config(opt_state, config)  # also refuses two QSDPStates
             if config.weight_mode == "qsdp":
                 _grid_for_step(opt_state, config, layout)  # clear error if not wrapped
                 p = qoptim.snap_to_grid(p, opt_state, config)
@@ -260,6 +267,7 @@ def make_train_step(
 
     def local_step(step, params, opt_state, batch, layout):
         opt_state = jax.tree.map(lambda x: x[0], opt_state)
+        qoptim.check_same_config(opt_state, config)
         grid = _grid_for_step(opt_state, config, layout)
 
         def objective(p):
@@ -278,6 +286,8 @@ def make_train_step(
             new_params = optax.apply_updates(params, updates)
             if config.weight_mode == "qsdp":
                 new_params = qoptim.snap_to_grid(new_params, new_opt, config)
+            # the new weights too: an update can overflow (e.g. float16 leaves) on finite grads
+            finite = finite & qoptim.all_finite(new_params)
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         new_params = jax.tree.map(keep, new_params, params)
         new_opt = jax.tree.map(keep, new_opt, opt_state)
@@ -311,7 +321,7 @@ def make_train_step(
         new_state = TrainState(step=step, params=params, opt_state=opt_state, layout=layout)
         return (new_state, metrics, aux) if has_aux else (new_state, metrics)
 
-    return jax.jit(step_fn, donate_argnums=(0,) if donate else ())
+    return CheckedStep(jax.jit(step_fn, donate_argnums=(0,) if donate else ()))
 
 
 def make_eval_step(
@@ -342,13 +352,19 @@ def make_eval_step(
         )
         return body(state.step, state.params, state.opt_state, batch)
 
-    return jax.jit(eval_fn)
+    return CheckedStep(jax.jit(eval_fn))
 
 
 def _check_batch(batch, n: int):
     leaves = jax.tree.leaves(batch)
     if not leaves:
         raise ValueError("the batch is empty")
+    sizes = {x.shape[0] for x in leaves if x.ndim}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"batch leaves have different leading (batch) sizes {sorted(sizes)}: every leaf must "
+            "hold the same examples"
+        )
     for x in leaves:
         if x.ndim == 0:
             raise ValueError("every batch leaf needs a leading batch axis; got a scalar")

@@ -222,7 +222,7 @@ def test_bad_inputs(mesh):
     with pytest.raises(ValueError, match="wrapped with qsdp_jax.optim.qsdp"):
         q.init_train_state(toymodel.init(0), optax.adam(1e-2), mesh, cfg, stacked=("blocks",))
     other = q.QSDPConfig.qsdp(4, 8, **SMALL)
-    with pytest.raises(ValueError, match="built for weight_bits=8"):
+    with pytest.raises(ValueError, match=r"built with QSDPConfig\.weight_bits=8"):
         q.make_train_step(toymodel.loss, opt, mesh, other)(state, toymodel.batch(0))
     with pytest.raises(TypeError, match="QSDPConfig"):
         q.make_train_step(toymodel.loss, opt, mesh, {"weight_bits": 8})

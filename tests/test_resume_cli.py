@@ -1,0 +1,134 @@
+"""The trainer's checkpoints end to end: --resume continues bit for bit, SIGTERM saves, metrics
+continue the same file, --overwrite keeps the old files until replaced, mismatches refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import train_gpt as tg
+from experiments import trainer as tr
+
+DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
+TINY = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--seq-len", "16", "--batch", "8",
+        "--bucket-size", "64", "--min-shard-size", "256", "--eval-batches", "1", "--data", str(DATA),
+        "--lr", "1e-2", "--warmup", "1", "--no-fp32-ratio", "--quiet", "--steps", "6", "--eval-every", "3"]
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _stop_after(monkeypatch, n: int):
+    """SIGTERM to this process right after step ``n`` (the real signal and handler)."""
+    real = tr.Trainer.steps
+
+    def steps(self):
+        for log in real(self):
+            if log.step == n:
+                os.kill(os.getpid(), signal.SIGTERM)  # arrives while step n is being logged
+            yield log
+
+    monkeypatch.setattr(tr.Trainer, "steps", steps)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    assert tg.main([*TINY, "--out", str(out)]) == 0
+    return out
+
+
+def test_sigterm_saves_and_resume_continues_exactly(straight, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        _stop_after(m, 4)
+        assert tg.main([*TINY, "--out", str(out), "--checkpoint-every", "2"]) == 128 + signal.SIGTERM
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4]
+    assert not (out / "summary.json").exists()
+    # a torn last line (killed mid-write) and a row past the checkpoint are dropped on resume
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 1.0}\n{"step": 6, "lo')
+    assert tg.main([*TINY, "--out", str(out), "--checkpoint-every", "2", "--resume"]) == 0
+    got, want = _rows(out), _rows(straight)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for a, b in zip(got, want):
+        assert (a["loss"], a["grad_norm"], a["val_loss"]) == (b["loss"], b["grad_norm"], b["val_loss"])
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (out, straight))
+    assert (s1["train_loss"], s1["val_loss"]) == (s2["train_loss"], s2["val_loss"])
+
+
+def test_resume_refuses_other_settings_and_fresh_start_needs_overwrite(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert tg.main([*TINY, "--out", str(out), "--checkpoint-every", "3"]) == 0
+    # the same directory, other bits: refused naming the field, nothing touched
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert tg.main([*TINY, "--out", str(out), "--resume", "--weight-bits", "4"]) == 2
+    assert "config.weight_bits is 8 in the checkpoint but 4 here" in capsys.readouterr().err
+    assert tg.main([*TINY, "--out", str(out), "--resume", "--lr", "2e-2"]) == 2
+    assert "identity.lr is 0.01 in the checkpoint but 0.02 here" in capsys.readouterr().err
+    assert tg.main([*TINY, "--out", str(out), "--checkpoint-every", "3"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    # a run already at its last step resumes to nothing and rewrites the same summary
+    assert tg.main([*TINY, "--out", str(out), "--resume"]) == 0
+    assert [r["step"] for r in _rows(out)] == list(range(1, 7))
+
+
+def test_overwrite_keeps_old_files_until_replaced(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    assert tg.main([*TINY, "--out", str(out), "--checkpoint-every", "3"]) == 0
+    old_summary = (out / "summary.json").read_bytes()
+    seen = {}
+    real = tr.Trainer.steps
+
+    def steps(self):  # look at the directory while the new run is in its first step
+        for log in real(self):
+            if log.step == 1:
+                seen["metrics"] = len(_rows(out))
+                seen["summary"] = (out / "summary.json").read_bytes()
+                seen["ckpts"] = sorted(p.name for p in (out.iterdir()))
+            yield log
+
+    monkeypatch.setattr(tr.Trainer, "steps", steps)
+    assert tg.main([*TINY, "--out", str(out), "--checkpoint-every", "3", "--overwrite", "--fp32"]) == 0
+    assert seen["metrics"] == 6 and seen["summary"] == old_summary  # still the old run's
+    assert "checkpoints.replaced" in seen["ckpts"]
+    assert json.loads((out / "summary.json").read_text())["name"] == "fp32"
+    assert not (out / "checkpoints.replaced").exists()
+    assert [r["step"] for r in _rows(out)] == list(range(1, 7))
+    assert not [p for p in out.iterdir() if ".tmp" in p.name]
+
+
+def test_failure_timeout_saves_and_exits(tmp_path, monkeypatch, capsys):
+    """--failure-timeout: a step that does not finish within the bound -> the watchdog saves
+    the last finished state, says what happened, and exits with 75 (recorded here instead)."""
+    import time
+
+    from qsdp_jax import watchdog
+
+    exits = []
+    monkeypatch.setattr(watchdog, "_default_exit", exits.append)
+    real = tr.Trainer.steps
+
+    def steps(self):  # after step 3, the next step "hangs" past the bound
+        for log in real(self):
+            yield log
+            if log.step == 3:
+                time.sleep(4.0)
+
+    monkeypatch.setattr(tr.Trainer, "steps", steps)
+    out = tmp_path / "run"
+    tg.main([*TINY, "--out", str(out), "--checkpoint-every", "100", "--failure-timeout", "1.5",
+             "--eval-every", "6"])  # (no evaluation, with its compilation, inside the bound)
+    assert exits and exits[0] == 75
+    err = capsys.readouterr().err
+    assert "qsdp_jax watchdog: the trainer finished no train step for 1.5 s after step 3" in err
+    assert "Saved step 3" in err
+    assert (out / "checkpoints" / "3").is_dir()
