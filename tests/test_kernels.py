@@ -199,7 +199,7 @@ def test_auto_mode_traces_no_kernel_on_cpu(mesh):
         opt = optim.qsdp(optax.adam(1e-2), cfg)
         state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
         step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
-        return str(jax.make_jaxpr(step)(state, toymodel.batch(0)))
+        return str(step.trace(state, toymodel.batch(0)).jaxpr)
 
     assert "pallas_call" not in jaxpr("auto")
     assert "pallas_call" in jaxpr("pallas")
