@@ -5,6 +5,7 @@ The public API; see README.md for a walk-through and ``../DESIGN.md`` for the in
 
 from qsdp_jax import optim  # noqa: F401  (``qsdp_jax.optim.qsdp``)
 from qsdp_jax import distributed  # noqa: F401  (``qsdp_jax.distributed.initialize``)
+from qsdp_jax import kernels  # noqa: F401  (``qsdp_jax.kernels``: Pallas hot path)
 from qsdp_jax import nnx  # noqa: F401  (the Flax NNX front door: ``qsdp_jax.nnx.init_state``)
 from qsdp_jax.access import LocalParams, ParamAccess
 from qsdp_jax.collectives import (
@@ -56,6 +57,7 @@ __all__ = [
     "distributed",
     "gather_params",
     "init_train_state",
+    "kernels",
     "make_eval_step",
     "make_gather",
     "make_mesh",

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qsdp_jax import kernels as qk
 from qsdp_jax import quantizers as qz
 
 # ----------------------------------------------------------------------------------------------
@@ -65,22 +66,33 @@ def packing_kernels(codes: jax.Array, bits: int) -> jax.Array:
 def to_payload(qt: qz.QTensor, split: bool = False) -> jax.Array:
     """QTensor (..., n) -> uint8 (..., payload_size(n)); ``split``: pack behind
     :func:`packing_kernels`."""
-    stats = jnp.concatenate([qt.scales, qt.offsets], axis=-1)  # one bitcast for both
     packed = packing_kernels(qt.codes, qt.bits) if split else qz.pack_bits(qt.codes, qt.bits)
+    return payload_from_packed(packed, qt.scales, qt.offsets)
+
+
+def payload_from_packed(packed: jax.Array, scales: jax.Array, offsets: jax.Array) -> jax.Array:
+    """``[packed codes | scales bytes | offsets bytes]``: the payload of already packed codes."""
+    stats = jnp.concatenate([scales, offsets], axis=-1)  # one bitcast for both
     stat_bytes = lax.bitcast_convert_type(stats, jnp.uint8).reshape(*stats.shape[:-1], -1)
     return jnp.concatenate([packed, stat_bytes], axis=-1)
 
 
-def from_payload(payload: jax.Array, n: int, bits: int, bucket: int) -> qz.QTensor:
-    """Inverse of :func:`to_payload`."""
+def split_payload(payload: jax.Array, n: int, bits: int, bucket: int):
+    """Inverse of :func:`payload_from_packed`: ``(packed codes, scales, offsets)``."""
     p = qz.packed_size(n, bits)
     nb = n // bucket
     lead = payload.shape[:-1]
     if payload.shape[-1] != p + 8 * nb:
         raise ValueError(f"payload of {payload.shape[-1]} bytes does not hold {n} codes of {bits} bits")
     stats = lax.bitcast_convert_type(payload[..., p:].reshape(*lead, 2 * nb, 4), jnp.float32)
-    codes = qz.unpack_bits(payload[..., :p], bits, n)
-    return qz.QTensor(codes=codes, scales=stats[..., :nb], offsets=stats[..., nb:], bits=bits, bucket=bucket)
+    return payload[..., :p], stats[..., :nb], stats[..., nb:]
+
+
+def from_payload(payload: jax.Array, n: int, bits: int, bucket: int) -> qz.QTensor:
+    """Inverse of :func:`to_payload`."""
+    packed, scales, offsets = split_payload(payload, n, bits, bucket)
+    codes = qz.unpack_bits(packed, bits, n)
+    return qz.QTensor(codes=codes, scales=scales, offsets=offsets, bits=bits, bucket=bucket)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,6 +107,7 @@ def quantized_all_gather(
     grid: tuple[jax.Array, jax.Array] | None = None,
     rounding: qz.QRounding = "nearest",
     key: jax.Array | None = None,
+    kernels: str = "auto",
 ) -> jax.Array:
     """Gather a 1-D shard from every device on ``axis_name``, quantized on the wire.
 
@@ -102,15 +115,33 @@ def quantized_all_gather(
       grid: ``(scales, offsets)`` of a grid the shard already lies on (QSDP mode); the codes are
         recovered exactly and the result equals the plain gather bit for bit.
       rounding, key: how to quantize when no grid is given (``"nearest"``: ZeRO++-style).
+      kernels: ``QSDPConfig.kernels``: who quantizes + packs and unpacks + dequantizes
+        (:func:`qsdp_jax.kernels.select`).
     Returns the float32 full buffer, ``axis_size * len(shard)`` elements.
     """
     n = shard.shape[-1]
     if grid is not None:
-        qt = qz.quantize_on_grid(shard, grid[0], grid[1], bits, bucket)
+        payload = qk.select(
+            kernels,
+            lambda x, s, o: to_payload(qz.quantize_on_grid(x, s, o, bits, bucket)),
+            lambda x, s, o, target: payload_from_packed(qk.grid_pack(x, s, o, bits, bucket, target=target), s, o),
+            shard, grid[0], grid[1], bucket=bucket,
+        )
     else:
-        qt = qz.quantize(shard, bits, bucket, rounding, key)
-    gathered = lax.all_gather(to_payload(qt), axis_name, axis=0, tiled=False)  # (N, payload)
-    return from_payload(gathered, n, bits, bucket).dequantize().reshape(-1)
+        payload = qk.select(
+            kernels,
+            lambda x: to_payload(qz.quantize(x, bits, bucket, rounding, key)),
+            lambda x, target: payload_from_packed(*qk.quantize_pack(x, bits, bucket, rounding, key, target=target)),
+            shard, bucket=bucket,
+        )
+    gathered = lax.all_gather(payload, axis_name, axis=0, tiled=False)  # (N, payload)
+    return qk.select(
+        kernels,
+        lambda p: from_payload(p, n, bits, bucket).dequantize().reshape(-1),
+        lambda p, target: qk.unpack_dequantize(
+            *split_payload(p, n, bits, bucket), bits, bucket, n, target=target).reshape(-1),
+        gathered, bucket=bucket,
+    )
 
 
 def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -> jax.Array:
@@ -154,12 +185,14 @@ def quantized_reduce_scatter(
     axis_name: str,
     key: jax.Array,
     rounding: qz.QRounding = "stochastic",
+    kernels: str = "auto",
 ) -> jax.Array:
     """Sum a 1-D buffer over ``axis_name`` and keep this device's chunk, quantized on the wire.
 
     ``full`` has ``N * chunk`` elements, ``chunk`` a multiple of ``bucket``. Each sender
     quantizes with its own key (``key`` folded with its axis index), so the errors of different
-    senders are independent; with stochastic rounding the result is unbiased.
+    senders are independent; with stochastic rounding the result is unbiased. ``kernels``:
+    ``QSDPConfig.kernels`` (:func:`qsdp_jax.kernels.select`).
     """
     num = lax.axis_size(axis_name)
     n = full.shape[-1]
@@ -167,10 +200,21 @@ def quantized_reduce_scatter(
         raise ValueError(f"buffer of {n} elements does not split into {num} chunks of whole buckets of {bucket}")
     chunk = n // num
     sender_key = qz.derive_key(key, lax.axis_index(axis_name))
-    qt = qz.quantize(full.reshape(num, chunk), bits, bucket, rounding, sender_key)
-    received = lax.all_to_all(to_payload(qt, split=True), axis_name, 0, 0, tiled=False)  # (N, payload)
-    parts = from_payload(received, chunk, bits, bucket).dequantize()  # (N, chunk) float32
-    return sum_rows(parts)
+    payload = qk.select(
+        kernels,
+        lambda x: to_payload(qz.quantize(x, bits, bucket, rounding, sender_key), split=True),
+        lambda x, target: payload_from_packed(
+            *qk.quantize_pack(x, bits, bucket, rounding, sender_key, target=target)),
+        full.reshape(num, chunk), bucket=bucket,
+    )
+    received = lax.all_to_all(payload, axis_name, 0, 0, tiled=False)  # (N, payload)
+    return qk.select(
+        kernels,
+        lambda p: sum_rows(from_payload(p, chunk, bits, bucket).dequantize()),  # (N, chunk) -> (chunk,)
+        lambda p, target: qk.unpack_dequantize_sum(
+            *split_payload(p, chunk, bits, bucket), bits, bucket, chunk, target=target),
+        received, bucket=bucket,
+    )
 
 
 def reduce_scatter_fp(full: jax.Array, *, axis_name: str, dtype: str = "float32") -> jax.Array:
@@ -206,6 +250,7 @@ class GatherSpec:
     grad_bits: int | None
     grad_rounding: str = "stochastic"
     fp_dtype: str = "float32"
+    kernels: str = "auto"
 
     @classmethod
     def from_config(cls, config) -> "GatherSpec":
@@ -217,6 +262,7 @@ class GatherSpec:
             grad_bits=config.grad_bits,
             grad_rounding=config.grad_rounding,
             fp_dtype=config.fp_comm_dtype,
+            kernels=config.kernels,
         )
 
     def gather(self, shard, grid):
@@ -231,6 +277,7 @@ class GatherSpec:
             axis_name=self.axis_name,
             grid=grid if self.weight_mode == "qsdp" else None,
             rounding="nearest",
+            kernels=self.kernels,
         )
 
     def reduce_scatter(self, full, key):
@@ -243,6 +290,7 @@ class GatherSpec:
             axis_name=self.axis_name,
             key=key,
             rounding=self.grad_rounding,
+            kernels=self.kernels,
         )
 
 

@@ -17,6 +17,7 @@ WEIGHT_MODES = ("qsdp", "comm", "full")
 WEIGHT_ROUNDINGS = ("shift", "stochastic")
 GRAD_ROUNDINGS = ("stochastic", "nearest")
 FP_COMM_DTYPES = ("float32", "bfloat16")
+KERNEL_MODES = ("auto", "pallas", "reference", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,11 @@ class QSDPConfig:
         ``weight_bits``; it may differ in ``"comm"`` and ``"full"`` modes (e.g. fp32 inside a
         node, 8-bit round-to-nearest across). ``inter_grad_bits`` with ``grad_bits=None``
         means ``fp_comm_dtype`` inside a node and quantized across (e.g. bf16 in, 4-bit out).
+      kernels: who runs the quantize / pack hot path (see ``qsdp_jax.kernels.dispatch``):
+        ``"auto"`` (Pallas kernels on GPU and TPU, the jnp reference on CPU), ``"pallas"``
+        (chosen per lowering platform, for exporting to GPU/TPU from a CPU host),
+        ``"reference"`` (the jnp reference everywhere) or ``"interpret"`` (the kernels in
+        Pallas interpret mode on any backend; slow, for tests on CPU).
     """
 
     weight_bits: int | None = 8
@@ -80,6 +86,7 @@ class QSDPConfig:
     replica_axis: str | None = None
     inter_weight_bits: int | None = None
     inter_grad_bits: int | None = None
+    kernels: str = "auto"
 
     def __post_init__(self):
         _check_bits("weight_bits", self.weight_bits)
@@ -95,6 +102,7 @@ class QSDPConfig:
         if self.seed >= 2**32:
             _fail("seed", self.seed, "an integer in [0, 2**32)")
         _check_choice("fp_comm_dtype", self.fp_comm_dtype, FP_COMM_DTYPES)
+        _check_choice("kernels", self.kernels, KERNEL_MODES)
         if not isinstance(self.axis_name, str) or not self.axis_name:
             _fail("axis_name", self.axis_name, "a non-empty mesh axis name")
         if self.weight_mode == "full" and self.weight_bits is not None:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from qsdp_jax import kernels as qk
 from qsdp_jax import quantizers as qz
 from qsdp_jax.config import QSDPConfig
 
@@ -157,8 +158,17 @@ def _project_leaf(x, geo, config, key, ctx):
     ``config.weight_rounding``); returns (projected x, scales, offsets)."""
     rows = _as_rows(x, geo)
     ids = _bucket_ids(geo, config.bucket_size, ctx)
-    qt = qz.quantize(rows, config.weight_bits, config.bucket_size, config.weight_rounding, key, bucket_ids=ids)
-    return _from_rows(qt.dequantize(), x, geo), qt.scales, qt.offsets
+    bits, bucket, rounding = config.weight_bits, config.bucket_size, config.weight_rounding
+
+    def reference(r, k, i):
+        qt = qz.quantize(r, bits, bucket, rounding, k, bucket_ids=i)
+        return qt.dequantize(), qt.scales, qt.offsets
+
+    def kernel(r, k, i, target):
+        return qk.project(r, bits, bucket, rounding, k, bucket_ids=i, target=target)
+
+    values, scales, offsets = qk.select(config.kernels, reference, kernel, rows, key, ids, bucket=bucket)
+    return _from_rows(values, x, geo), scales, offsets
 
 
 def _project_leaves(values, mask, count, config, ctx, old_scales, old_offsets):
@@ -183,8 +193,14 @@ def _project_leaves(values, mask, count, config, ctx, old_scales, old_offsets):
 
 def _snap_leaf(x, scales, offsets, geo, config):
     rows = _as_rows(x, geo)
-    qt = qz.quantize_on_grid(rows, scales, offsets, config.weight_bits, config.bucket_size)
-    return _from_rows(qt.dequantize(), x, geo)
+    bits, bucket = config.weight_bits, config.bucket_size
+    values = qk.select(
+        config.kernels,
+        lambda r, s, o: qz.quantize_on_grid(r, s, o, bits, bucket).dequantize(),
+        lambda r, s, o, target: qk.snap(r, s, o, bits, bucket, target=target),
+        rows, scales, offsets, bucket=bucket,
+    )
+    return _from_rows(values, x, geo)
 
 
 def all_finite(tree: PyTree) -> jax.Array:

@@ -193,6 +193,18 @@ def _inverse(scales: jax.Array) -> jax.Array:
     return jnp.where(scales == 0, jnp.float32(0.0), 1.0 / jnp.where(scales == 0, 1.0, scales))
 
 
+def unfused(product: jax.Array, guard: jax.Array) -> jax.Array:
+    """``product``, behind a select on ``guard < 0`` for a ``guard`` that is never negative.
+
+    The select between a product and the add that consumes it keeps a compiler from contracting
+    the two into one FMA (XLA:CPU does under jit but not eagerly; Triton and XLA:GPU may): the
+    sum then rounds twice in every compilation context, so the jnp reference and the Pallas
+    kernels give the same bits wherever each is compiled. The condition must not be provable
+    by the compiler (a predicate already tested around the product gets folded away).
+    """
+    return jnp.where(guard < 0, guard, product)
+
+
 def quantize(
     x: jax.Array,
     bits: int,
@@ -226,13 +238,15 @@ def quantize(
         bucket_ids = default_bucket_ids(x.shape, bucket)
     if rounding == "shift":
         xi = hash_uniform(key, bucket_ids)
-        offsets = jnp.where(exact, lo, lo - xi * scales)
+        offsets = jnp.where(exact, lo, lo - unfused(xi * scales, scales))
     else:
         offsets = lo
-    t = (xb - offsets[..., None]) * _inverse(scales)[..., None]
+    inv = _inverse(scales)[..., None]
+    t = (xb - offsets[..., None]) * inv
     if rounding == "stochastic":
         counters = bucket_ids[..., None] * jnp.uint32(bucket) + jnp.arange(bucket, dtype=jnp.uint32)
-        q = jnp.floor(t + hash_uniform(key, counters))
+        u = hash_uniform(key, counters)
+        q = jnp.floor(unfused(t, u) + u)
     else:
         q = jnp.round(t)
     q = jnp.clip(q, 0, top)

@@ -1,0 +1,91 @@
+"""Pallas kernels that dequantize received payloads: one pass from packed codes to float32.
+
+* :func:`unpack_dequantize`: packed codes + per-bucket scales/offsets -> float32 (after the
+  all-gather); equals ``qz.dequantize(qz.unpack_bits(...), ...)`` bit for bit.
+* :func:`unpack_dequantize_sum`: the same for the N chunks received by the reduce-scatter,
+  summed in float32 in the order of ``collectives.sum_rows`` (pairwise halving), so the result
+  equals the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from qsdp_jax import quantizers as qz
+from qsdp_jax.kernels import _pallas as kp
+
+
+def _values(p_ref, s, off, bits, lead=()):
+    """The 8 float32 value columns of one chunk's packed block."""
+    byte_cols = [p_ref[lead + (slice(None), slice(None), j)].astype(jnp.uint32) for j in range(bits)]
+    return [off + kp.to_f32(c) * s for c in kp.unpack_columns(byte_cols, bits)]
+
+
+def _dequantize_kernel(p_ref, s_ref, o_ref, out_ref, *, bits):
+    for k, v in enumerate(_values(p_ref, s_ref[...], o_ref[...], bits)):
+        out_ref[:, :, k] = v
+
+
+def pairwise_sum(parts: list):
+    """``collectives.sum_rows`` on a list: the same additions in the same order."""
+    while len(parts) > 1:
+        half = len(parts) // 2
+        summed = [parts[i] + parts[half + i] for i in range(half)]
+        parts = summed + parts[2 * half:]
+    return parts[0]
+
+
+def _sum_kernel(p_ref, s_ref, o_ref, out_ref, *, bits, num):
+    chunks = [_values(p_ref, s_ref[c], o_ref[c], bits, lead=(c,)) for c in range(num)]
+    for k in range(8):
+        out_ref[:, :, k] = pairwise_sum([chunk[k] for chunk in chunks])
+
+
+def _shape_checks(packed, scales, n, bits, bucket):
+    kp.check_bits_bucket(bits, bucket)
+    if n % bucket:
+        raise ValueError(f"n={n} is not a multiple of bucket={bucket}")
+    if packed.shape[-1] != qz.packed_size(n, bits):
+        raise ValueError(f"packed length {packed.shape[-1]} does not match {n} codes of {bits} bits")
+    if scales.shape[-1] != n // bucket:
+        raise ValueError(f"{scales.shape[-1]} scales do not match {n // bucket} buckets")
+
+
+def unpack_dequantize(packed, scales, offsets, bits, bucket, n, *, target):
+    """uint8 (..., packed_size(n)), float32 (..., n // bucket) x2 -> float32 (..., n)."""
+    _shape_checks(packed, scales, n, bits, bucket)
+    kp.check_target(target)
+    lead, g = packed.shape[:-1], bucket // 8
+    rows = (n // bucket) * math.prod(lead)
+    rb = kp.row_block(rows, bucket, target)
+    out = kp.call(
+        functools.partial(_dequantize_kernel, bits=bits),
+        jax.ShapeDtypeStruct((rows, g, 8), jnp.float32),
+        [kp.rows_spec(rb, (g, bits)), kp.rows_spec(rb, (1,)), kp.rows_spec(rb, (1,))],
+        kp.rows_spec(rb, (g, 8)),
+        rows=rows, rb=rb, target=target, name=f"qsdp_unpack_dequantize_{bits}b",
+    )(packed.reshape(rows, g, bits), scales.reshape(rows, 1), offsets.reshape(rows, 1))
+    return out.reshape(*lead, n)
+
+
+def unpack_dequantize_sum(packed, scales, offsets, bits, bucket, n, *, target):
+    """uint8 (N, packed_size(n)), float32 (N, n // bucket) x2 -> float32 (n,): the sum over the
+    N chunks of their dequantized values."""
+    _shape_checks(packed, scales, n, bits, bucket)
+    kp.check_target(target)
+    if packed.ndim != 2:
+        raise ValueError(f"packed chunks must be 2-D (N, bytes), got shape {packed.shape}")
+    num, rows, g = packed.shape[0], n // bucket, bucket // 8
+    rb = kp.row_block(rows, bucket * num, target)
+    out = kp.call(
+        functools.partial(_sum_kernel, bits=bits, num=num),
+        jax.ShapeDtypeStruct((rows, g, 8), jnp.float32),
+        [kp.rows_spec(rb, (g, bits), (num,)), kp.rows_spec(rb, (1,), (num,)), kp.rows_spec(rb, (1,), (num,))],
+        kp.rows_spec(rb, (g, 8)),
+        rows=rows, rb=rb, target=target, name=f"qsdp_unpack_dequantize_sum_{bits}b",
+    )(packed.reshape(num, rows, g, bits), scales.reshape(num, rows, 1), offsets.reshape(num, rows, 1))
+    return out.reshape(n)

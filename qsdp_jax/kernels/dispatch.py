@@ -1,0 +1,72 @@
+"""One dispatch for the hot-path kernels: Pallas on GPU/TPU, the jnp reference on CPU.
+
+Modes (``QSDPConfig.kernels``):
+
+* ``"auto"`` (default): ``"pallas"`` in a process whose default backend is a GPU or TPU,
+  ``"reference"`` in a CPU-only one (so CPU runs trace no kernel at all).
+* ``"pallas"``: ``lax.platform_dependent`` picks per lowering platform: the Triton kernel on
+  CUDA, the Mosaic kernel on TPU, the caller's jnp reference on CPU and anywhere else (the CPU
+  keeps its packing boundary and other XLA:CPU specifics). A jit lowered for several platforms
+  carries all branches; ``jax.export`` from a CPU host to ``["cuda"]``/``["tpu"]`` uses this.
+* ``"reference"``: the jnp reference everywhere (to rule the kernels out, or to compare).
+* ``"interpret"``: the Pallas kernels in interpret mode on any backend (tests on CPU).
+
+The GPU lowering is Triton, deliberately: it runs on A100 and H100 alike, while Mosaic GPU
+(JAX's default for ``pallas_call`` on CUDA) needs Hopper or newer. Buckets whose group count
+``bucket // 8`` is not a power of 2 (Triton's tensor-size rule) use the reference on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax import lax
+
+from qsdp_jax.config import KERNEL_MODES
+from qsdp_jax.kernels import _pallas as kp
+
+
+def check_mode(mode: str):
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels={mode!r} is invalid: must be one of {KERNEL_MODES}")
+
+
+def select(mode: str, reference: Callable, kernel: Callable, *args, bucket: int):
+    """``reference(*args)`` or ``kernel(*args, target=...)`` as ``mode`` and the platform say.
+
+    ``args`` are arrays only (``lax.platform_dependent`` passes them to every branch); bind
+    static arguments into the callables. Both must return the same pytree of shapes/dtypes.
+    """
+    check_mode(mode)
+    if mode == "auto":
+        mode = "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
+    if mode == "reference":
+        return reference(*args)
+    if mode == "interpret":
+        return with_reference_vjp(reference, kernel, "interpret")(*args)
+
+    def on(target):
+        return with_reference_vjp(reference, kernel, target)
+
+    cuda = on("triton") if kp.triton_ok(bucket) else reference
+    return lax.platform_dependent(*args, cpu=reference, cuda=cuda, tpu=on("mosaic_tpu"), default=reference)
+
+
+def with_reference_vjp(reference: Callable, kernel: Callable, target: str) -> Callable:
+    """``kernel(*args, target=target)`` under a ``custom_vjp`` whose backward pass is the
+    reference's VJP: Pallas kernels have no autodiff of their own, and a gradient taken
+    through a kernel then equals the one taken through the reference."""
+
+    @jax.custom_vjp
+    def run(*args):
+        return kernel(*args, target=target)
+
+    def fwd(*args):
+        return kernel(*args, target=target), args
+
+    def bwd(args, ct):
+        return jax.vjp(reference, *args)[1](ct)
+
+    run.defvjp(fwd, bwd)
+    return run

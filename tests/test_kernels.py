@@ -1,0 +1,239 @@
+"""Pallas kernels (interpret mode on CPU) against the jnp reference, bit for bit; the dispatch;
+the train step with kernels on; lowering for TPU and CUDA; the device-check scripts."""
+
+import functools
+import os
+import subprocess
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import qsdp_jax as q
+import toymodel
+from qsdp_jax import collectives as qc
+from qsdp_jax import kernels as qk
+from qsdp_jax import optim
+from qsdp_jax import quantizers as qz
+
+T = "interpret"
+N = 8
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _data(shape, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=shape).astype(np.float32) * np.float32(rng.uniform(0.01, 100))
+    x.reshape(-1)[:8] = 1.5  # a constant run: a bucket of equal values somewhere is exact
+    return jnp.asarray(x)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "bucket", "rounding"))
+def _ref_quantize(x, key, *, bits, bucket, rounding):
+    """The reference as the train step runs it: jitted."""
+    qt = qz.quantize(x, bits, bucket, rounding, key)
+    return qz.pack_bits(qt.codes, bits), qt.scales, qt.offsets, qt.dequantize()
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_kernels_match_the_reference_bit_for_bit(bits):
+    """quantize+pack for the three roundings and unpack+dequantize: equal to the reference for
+    every bit width, buckets 64..4096, a bucket count (3 x 5 = 15) that is not a multiple of
+    the row block on GPU/TPU; unpack+dequantize+sum for one width of each packing family
+    (whole codes per byte, bit planes, bytes). (Each interpret-mode kernel costs an XLA compile
+    of about a second here: the grid is chosen to keep the file near a minute and a half.)"""
+    for r, rounding in enumerate(qz.ROUNDINGS):
+        if rounding == "shift" and bits == 1:
+            continue
+        bucket = BUCKETS[(bits + 2 * r) % len(BUCKETS)]
+        x = _data((3, 5 * bucket), seed=10 * bits + r)
+        key = qz.derive_key(7, bits, r)
+        packed, scales, offsets, values = _ref_quantize(x, key, bits=bits, bucket=bucket, rounding=rounding)
+        got = qk.quantize_pack(x, bits, bucket, rounding, key, target=T)
+        chex.assert_trees_all_equal(got, (packed, scales, offsets))
+    n = x.shape[-1]
+    chex.assert_trees_all_equal(qk.unpack_dequantize(packed, scales, offsets, bits, bucket, n, target=T), values)
+    if bits in (2, 5, 8):
+        want = jax.jit(qc.sum_rows)(values)
+        chex.assert_trees_all_equal(qk.unpack_dequantize_sum(packed, scales, offsets, bits, bucket, n, target=T), want)
+
+
+@pytest.mark.parametrize("bits,rounding,bucket", [(2, "shift", 64), (5, "stochastic", 4096)])
+def test_projection_snap_and_grid_pack_match_the_reference(bits, rounding, bucket):
+    x = _data((2, 3 * bucket), seed=bits)
+    key = qz.derive_key(1, bits)
+    packed, scales, offsets, values = _ref_quantize(x, key, bits=bits, bucket=bucket, rounding=rounding)
+    chex.assert_trees_all_equal(qk.project(x, bits, bucket, rounding, key, target=T), (values, scales, offsets))
+    chex.assert_trees_all_equal(qk.grid_pack(values, scales, offsets, bits, bucket, target=T), packed)
+    moved = x + 0.01 * jnp.abs(x)
+    want = jax.jit(lambda v: qz.quantize_on_grid(v, scales, offsets, bits, bucket).dequantize())(moved)
+    chex.assert_trees_all_equal(qk.snap(moved, scales, offsets, bits, bucket, target=T), want)
+
+
+def test_optimizer_projection_with_kernels_on_leaves_of_odd_length():
+    """Single-device qsdp(): leaves of 4099 and 1000 elements (not multiples of the bucket or of
+    8) are edge-padded to whole buckets; kernels and reference give the same updates and grid.
+    """
+    params = {"a": _data((4099,), 1), "b": _data((10, 100), 2), "c": jnp.ones((3,))}
+    grads = jax.tree.map(lambda p: 0.1 * jnp.cos(p), params)
+    out = {}
+    for mode in ("reference", "interpret"):
+        cfg = q.QSDPConfig.qsdp(4, 8, bucket_size=128, min_shard_size=100, kernels=mode)
+        opt = optim.qsdp(optax.sgd(0.1), cfg)
+        p, st = jax.jit(lambda p: optim.init_on_grid(p, opt, cfg))(params)
+        u, st = jax.jit(opt.update)(grads, st, p)
+        out[mode] = (jax.jit(lambda p, u, st: optim.apply_updates(p, u, st, cfg))(p, u, st), st.scales, st.offsets)
+    chex.assert_trees_all_equal(out["interpret"], out["reference"])
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return q.make_mesh("fsdp")
+
+
+def test_collectives_with_kernels_inside_shard_map(mesh, bits=3):
+    """On 8 devices: the QSDP all-gather (grid), the ZeRO++-style gather and the quantized
+    reduce-scatter give the reference's bits with the kernels in interpret mode. (Pallas's
+    interpreter fails under ``check_vma=True``: "dynamic_slice requires varying manual axes
+    to match"; the train step uses ``check_vma=False``.)"""
+    bucket = 64
+    x = _data((N * 3 * bucket,), 3)
+    qt = jax.jit(lambda v: qz.quantize(v, bits, bucket, "nearest"))(x)
+    on_grid = qt.dequantize()
+
+    def run(mode):
+        def f(w, s, o):
+            a = qc.quantized_all_gather(w, bits=bits, bucket=bucket, axis_name="fsdp", grid=(s, o), kernels=mode)
+            b = qc.quantized_all_gather(w, bits=bits, bucket=bucket, axis_name="fsdp", kernels=mode)
+            c = qc.quantized_reduce_scatter(a + b, bits=bits, bucket=bucket, axis_name="fsdp",
+                                            key=jnp.uint32(5), kernels=mode)
+            return a, b, c
+
+        spec = P("fsdp")
+        fn = jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec, spec), check_vma=False)
+        return jax.jit(fn)(on_grid, qt.scales, qt.offsets)
+
+    got, want = run("interpret"), run("reference")
+    for gathered in np.asarray(got[0]).reshape(N, -1):  # every device: lossless
+        np.testing.assert_array_equal(gathered, on_grid)
+    chex.assert_trees_all_equal(got, want)
+
+
+def test_gradients_through_kernels_are_the_references():
+    """Pallas has no autodiff: the dispatch puts each kernel under a custom_vjp with the
+    reference's VJP, so ``jax.grad`` through a kernel gives the reference's gradient (here
+    through the projection, whose values depend on each bucket's min and max). Through the
+    collectives the payload is integer and the gradient is the custom_vjp of make_gather."""
+    x = _data((2, 3 * 64), 4)
+    key = qz.derive_key(9)
+
+    def grad(mode):
+        def f(v):
+            def ref(a):
+                qt = qz.quantize(a, 4, 64, "shift", key)
+                return qt.dequantize(), qt.scales, qt.offsets
+
+            values, scales, _ = qk.select(
+                mode, ref, lambda a, target: qk.project(a, 4, 64, "shift", key, target=target), v, bucket=64)
+            return jnp.sum(jnp.sin(values)) + jnp.sum(scales)
+
+        return jax.jit(jax.grad(f))(x)
+
+    want = grad("reference")
+    assert float(jnp.abs(want).max()) > 0
+    chex.assert_trees_all_equal(grad("interpret"), want)
+
+
+CFG = dict(bucket_size=64, min_shard_size=128)
+
+
+def _train(mesh, mode, steps):
+    cfg = q.QSDPConfig.qsdp(4, 4, kernels=mode, **CFG)
+    opt = optim.qsdp(optax.adam(1e-2), cfg)
+    state = q.init_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
+    step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, toymodel.batch(i))
+        losses.append(float(metrics["loss"]))
+    return losses, state.params
+
+
+def test_train_step_with_kernels_repeats_the_reference(mesh):
+    """Three QSDP W4G4 steps on 8 devices: identical losses and weights with kernels forced on."""
+    got_losses, got_params = _train(mesh, "interpret", 3)
+    want_losses, want_params = _train(mesh, "reference", 3)
+    assert got_losses == want_losses
+    chex.assert_trees_all_equal(got_params, want_params)
+
+
+@pytest.mark.parametrize("platform,marker", [("tpu", "tpu_custom_call"), ("cuda", "__gpu$xla.gpu.triton")])
+def test_train_step_with_kernels_lowers_for(mesh, platform, marker):
+    """jax.export of the whole QSDP step for TPU / CUDA on this CPU machine: the kernels'
+    custom calls are in the module (projection, snap, quantize+pack, unpack(+sum))."""
+    cfg = q.QSDPConfig.qsdp(8, 4, kernels="pallas", **CFG)
+    opt = optim.qsdp(optax.adam(1e-2), cfg)
+    state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
+    step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), toymodel.batch(0))
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    exp = jax.export.export(step, platforms=[platform], disabled_checks=checks)(state, batch)
+    text = exp.mlir_module()
+    names = ["quantize_pack_grid", "quantize_pack_stochastic", "unpack_dequantize_8b",
+             "unpack_dequantize_sum", "project_shift", "project_grid"]
+    assert text.count(marker) >= len(names)
+    for name in names:
+        assert f"qsdp_{name}" in text, name
+
+
+def test_auto_mode_traces_no_kernel_on_cpu(mesh):
+    """On a CPU-only process ``"auto"`` is the reference: the step's jaxpr holds no pallas_call,
+    while ``"pallas"`` carries the kernels (lowered only for GPU/TPU)."""
+    def jaxpr(mode):
+        cfg = q.QSDPConfig.qsdp(8, 4, kernels=mode, **CFG)
+        opt = optim.qsdp(optax.adam(1e-2), cfg)
+        state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
+        step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
+        return str(step.trace(state, toymodel.batch(0)).jaxpr)
+
+    assert "pallas_call" not in jaxpr("auto")
+    assert "pallas_call" in jaxpr("pallas")
+
+
+@pytest.mark.parametrize("script", ["gpu_scripts/device_check.sh", "tpu_scripts/device_check.sh"])
+def test_device_check_scripts_parse_and_dry_run(script, tmp_path):
+    path = os.path.join(ROOT, script)
+    subprocess.run(["bash", "-n", path], check=True)
+    out = subprocess.run(["bash", path, "--dry-run", str(tmp_path)], check=True, capture_output=True, text=True).stdout
+    assert "pytest" in out and "bench_kernels" in out and "device_check kernels" in out
+    assert not any(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def _on_device(target):
+    """Kernels compiled for the real device against the reference jitted on it."""
+    rng = np.random.default_rng(0)
+    for bits, rounding, bucket in [(8, "stochastic", 1024), (4, "shift", 256), (3, "nearest", 64), (1, "stochastic", 4096)]:
+        x = jnp.asarray(rng.normal(size=(4, 5 * bucket)).astype(np.float32))
+        key = qz.derive_key(2, bits)
+        packed, scales, offsets, values = _ref_quantize(x, key, bits=bits, bucket=bucket, rounding=rounding)
+        got = jax.jit(lambda v: qk.quantize_pack(v, bits, bucket, rounding, key, target=target))(x)
+        chex.assert_trees_all_equal(got, (packed, scales, offsets))
+        deq = jax.jit(lambda p, s, o: qk.unpack_dequantize(p, s, o, bits, bucket, x.shape[-1], target=target))
+        chex.assert_trees_all_equal(deq(packed, scales, offsets), values)
+        total = jax.jit(lambda p, s, o: qk.unpack_dequantize_sum(p, s, o, bits, bucket, x.shape[-1], target=target))
+        chex.assert_trees_all_equal(total(packed, scales, offsets), jax.jit(qc.sum_rows)(values))
+
+
+@pytest.mark.gpu
+def test_triton_kernels_on_the_gpu_match_the_reference():
+    _on_device("triton")
+
+
+@pytest.mark.tpu
+def test_mosaic_kernels_on_the_tpu_match_the_reference():
+    _on_device("mosaic_tpu")
