@@ -147,3 +147,15 @@ def test_two_processes_start_from_env(tmp_path):
     # only process 0 prints progress
     assert "hello from the main process" in outs[0]
     assert "hello from the main process" not in outs[1]
+
+
+def test_importing_the_package_starts_no_backend():
+    """jax.distributed must start before JAX's backends: importing qsdp_jax may not create them
+    (a module-level jnp constant would, and then every multi-process start fails)."""
+    code = ("import qsdp_jax, experiments.train_gpt, experiments.trainer\n"
+            "from jax._src import xla_bridge\n"
+            "assert not xla_bridge.backends_are_initialized(), 'a backend was started at import'\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(REPO), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

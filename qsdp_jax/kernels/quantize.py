@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from qsdp_jax import quantizers as qz
 from qsdp_jax.kernels import _pallas as kp
 
-_GOLDEN = jnp.uint32(0x9E3779B9)
+_GOLDEN = 0x9E3779B9  # a Python int: a jnp constant here would start JAX's backends at import
 
 
 def _kernel(*refs, bits, rounding, output, target):
@@ -118,7 +118,7 @@ def _fresh_grid_aux(x, bits, bucket, rounding, key, bucket_ids):
     bucket_ids = jnp.asarray(bucket_ids).astype(jnp.uint32)
     if rounding == "stochastic":
         key = jnp.asarray(key, jnp.uint32)
-        return [bucket_ids * jnp.uint32(bucket) + key * _GOLDEN], [key]
+        return [bucket_ids * jnp.uint32(bucket) + key * jnp.uint32(_GOLDEN)], [key]
     if rounding == "shift":
         return [qz.hash_uniform(key, bucket_ids)], []
     return [], []
