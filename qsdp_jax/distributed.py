@@ -294,6 +294,7 @@ def enable_process_log(directory: str | os.PathLike, level: int = logging.INFO) 
     handler.setFormatter(logging.Formatter(
         f"%(asctime)s p{process_index()} %(levelname)s %(message)s"))
     logger.addHandler(handler)
+    logger.propagate = False  # the file, not also every process's stderr (a root handler)
     if logger.level == logging.NOTSET or logger.level > level:
         logger.setLevel(level)
     return path
