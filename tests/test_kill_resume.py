@@ -19,12 +19,12 @@ from qsdp_jax.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "testdata" / "shakespeare_small.txt"
-STEPS = 12
+STEPS = 64  # long enough that no life finishes the run before its kill lands
 KILLS = 10
 ARGS = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--seq-len", "16", "--batch", "4",
         "--bucket-size", "64", "--min-shard-size", "256", "--eval-batches", "1", "--data", str(DATA),
         "--lr", "1e-2", "--warmup", "1", "--no-fp32-ratio", "--quiet", "--steps", str(STEPS),
-        "--eval-every", "6", "--devices", "2", "--checkpoint-every", "1", "--keep", "2"]
+        "--eval-every", "16", "--devices", "2", "--checkpoint-every", "1", "--keep", "2"]
 
 
 def _cache_env(cache: Path) -> dict:
@@ -70,7 +70,7 @@ def test_sigkill_at_random_moments_then_resume(tmp_path):
         deadline = time.monotonic() + 300
         while _rows(out) <= before and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)  # wait for this life's first new step, then kill soon after
-        time.sleep(float(rng.uniform(0.0, 0.3)))
+        time.sleep(float(rng.uniform(0.0, 0.2)))
         if p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
             kills_done += 1
