@@ -71,7 +71,8 @@ def _optimizer(config, lr: float = 1e-3):
 
     from qsdp_jax import optim
 
-    base = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, b2=0.99))
+    # optim's clip: optax's would clip each device by the norm of its own shards in the step
+    base = optax.chain(optim.clip_by_global_norm(1.0), optax.adamw(lr, b2=0.99))
     return optim.qsdp(base, config)
 
 

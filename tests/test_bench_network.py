@@ -261,3 +261,37 @@ def test_end_to_end_two_processes_no_netns(tmp_path, monkeypatch, capsys):
     assert doc["targets"]["evaluated"] is False
     assert doc["model"]["d_model"] == TINY["d_model"] and doc["global_batch"] == 4
     assert doc["fast_compile"] is True
+
+
+def test_workload_optimizer_clips_by_the_global_norm():
+    """The workload's optimizer clips by the norm over all devices (qsdp_jax.optim's clip), not
+    by each device's shards (optax's inside the sharded step): its steps match one device
+    running optax's chain on the global batch, with the gradients large enough to be clipped."""
+    import jax
+    import numpy as np
+    import optax
+
+    import qsdp_jax as q
+    import toymodel
+
+    mesh = q.make_mesh(devices=jax.devices()[:8])
+    cfg = q.QSDPConfig.fp32(bucket_size=64, min_shard_size=128)
+    opt = nw._optimizer(cfg, lr=1e-2)
+
+    def loss(p, b):  # x100: the global gradient norm is far above the clip threshold 1.0
+        return 100.0 * toymodel.loss(p, b)
+
+    state = q.init_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
+    step = q.make_train_step(loss, opt, mesh, cfg)
+    ref_opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, b2=0.99))
+    params = toymodel.init(0)
+    ref_state = ref_opt.init(params)
+    for i in range(3):
+        b = toymodel.batch(i)
+        state, _ = step(state, b)
+        g = jax.grad(lambda p: loss(q.LocalParams(p), b))(params)
+        assert float(optax.tree.norm(g)) > 1.0
+        u, ref_state = ref_opt.update(g, ref_state, params)
+        params = optax.apply_updates(params, u)
+    for a, b in zip(jax.tree.leaves(q.gather_params(state)), jax.tree.leaves(params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
