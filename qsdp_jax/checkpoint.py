@@ -27,7 +27,9 @@ fields: the state is walked generically), in a form that does not depend on the 
 
 On restore the arrays are re-laid out for the template's mesh (padding with zeros, which is what
 a fresh state holds there: a constant bucket has scale 0 and offset 0), so a checkpoint made on
-8 devices loads on 4 with weights, grid and optimizer state bit for bit. Bucket ids are global,
+8 devices loads on 4, on a hierarchical ``("node", "local")`` 2x4 mesh or a hybrid
+``("replica", "fsdp")`` one (and back) with weights, grid and optimizer state bit for bit: the
+config's mesh-placement fields (``axis_name``, ``node_axis``, ``replica_axis``) are not compared. Bucket ids are global,
 so the grid does not move. A config, layout, leaf or identity mismatch is refused with an error
 naming the field.
 
@@ -205,6 +207,17 @@ def describe(state, config: QSDPConfig, mesh: Mesh, identity: dict | None = None
     }
 
 
+# Where the state lives, not what it is: a checkpoint loads onto another mesh shape (1-D fsdp,
+# hierarchical node x local) with other axis names.
+PLACEMENT_FIELDS = ("axis_name", "node_axis", "replica_axis")
+
+
+def _comparable(record: dict) -> dict:
+    """``record`` (from :func:`describe`) without the config's mesh-placement fields."""
+    config = {k: v for k, v in (record.get("config") or {}).items() if k not in PLACEMENT_FIELDS}
+    return {**record, "config": config}
+
+
 def check_match(saved: dict, wanted: dict, where: str = "checkpoint") -> None:
     """Raise :class:`CheckpointMismatch` naming the first field where ``saved`` and ``wanted``
     differ (dotted path, both values)."""
@@ -314,8 +327,8 @@ class Checkpointer:
         self.wait()
         step = self._pick(step)
         meta = self.metadata(step)
-        check_match({k: meta.get(k) for k in ("format", "config", "layout", "identity")},
-                    describe(template, config, mesh, identity),
+        check_match(_comparable({k: meta.get(k) for k in ("format", "config", "layout", "identity")}),
+                    _comparable(describe(template, config, mesh, identity)),
                     where=f"checkpoint {self.directory}/{step}")
         leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
         want = {jax.tree_util.keystr(p) for p, _ in leaves}

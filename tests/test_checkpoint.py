@@ -178,3 +178,45 @@ def test_half_written_checkpoint_is_never_picked_up(tmp_path):
     assert not (tmp_path / "1.orbax-checkpoint-tmp-123").exists()
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         Checkpointer(tmp_path / "empty").restore(state, config, mesh)
+
+
+def _setup_2d(axes, **placement):
+    config = q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", **SMALL, **placement)
+    mesh = q.make_mesh(axes)
+    opt = _opt(config)
+    state = q.init_train_state(toymodel.init(1), opt, mesh, config, stacked=toymodel.STACKED)
+    return config, mesh, state, q.make_train_step(toymodel.loss, opt, mesh, config, donate=False)
+
+
+def test_reshard_onto_2d_meshes_and_back(tmp_path):
+    """W4G4 saved on 8 devices (1-D) restores onto a hierarchical ("node", "local") 2x4 mesh and
+    onto a hybrid ("replica", "fsdp") 2x4 mesh: weights, grid and Adam moments bit for bit (the
+    stored form does not depend on the mesh; only the config's axis names differ). Training
+    continues there with losses close to the 1-D run's (other gradient-quantization draws: the
+    two-level reduction quantizes in other places); saved on 2x4 and restored on 8: the
+    state bit for bit."""
+    config = CONFIGS["W4G4"]
+    mesh8, state0, step8 = _setup(config, 8)
+    half, _ = _run(step8, state0, 0, K)
+    _, losses = _run(step8, half, K, 2 * K)
+    with Checkpointer(tmp_path / "a", async_save=False) as ckpt:
+        ckpt.save(half, config, mesh8)
+        for axes, placement in [({"node": 2, "local": 4}, dict(axis_name="local", node_axis="node")),
+                                ({"replica": 2, "fsdp": 4}, dict(replica_axis="replica"))]:
+            cfg2, mesh2, fresh, step2 = _setup_2d(axes, **placement)
+            on2, _ = ckpt.restore(fresh, cfg2, mesh2)
+            g8, g2 = _global_opt(half, mesh8), _global_opt(on2, mesh2)
+            assert g8.keys() == g2.keys()
+            for k in g8:
+                np.testing.assert_array_equal(g8[k], g2[k], err_msg=f"{axes}: {k}")
+            _assert_bitwise(q.gather_params(on2), q.gather_params(half))
+            cont, losses2 = _run(step2, on2, K, 2 * K)
+            assert int(cont.step) == 2 * K
+            np.testing.assert_allclose(losses2, losses, rtol=0.05, err_msg=str(axes))
+            if "node" in axes:
+                hier = (on2, cfg2, mesh2)
+    with Checkpointer(tmp_path / "b", async_save=False) as ckpt:
+        ckpt.save(*hier)
+        back, _ = ckpt.restore(state0, config, mesh8)
+    _assert_bitwise(back.params, half.params)
+    _assert_bitwise(back.opt_state, half.opt_state)
