@@ -33,6 +33,23 @@ def write_atomic(path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+def is_process_0() -> bool:
+    """True in the process that renames and deletes shared files (the only one, or process 0)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process of a multi-process run gets here (a no-op with one process)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 class MetricsLog:
     """``metrics.jsonl``, one JSON row per step, written as training goes.
 
@@ -166,6 +183,8 @@ def open_checkpoints(args, out: Path):
 
     A fresh run (no ``--resume``) refuses a directory holding checkpoints unless ``--overwrite``;
     then the old checkpoints are moved aside and deleted only when the new run has saved its own.
+    Every process of a multi-process run calls this (orbax's save and restore need them all);
+    only process 0 renames or deletes, between barriers.
     """
     from experiments.train_gpt import CLIError
 
@@ -183,11 +202,16 @@ def open_checkpoints(args, out: Path):
                 "--overwrite to start over (they are deleted once the new run has saved)"
             )
         aside = directory.with_name(directory.name + ".replaced")
+    # Several processes on a shared filesystem: every process has looked at the directory before
+    # process 0 alone moves it aside; none opens the new one (orbax creates it) before that.
+    barrier("qsdp_jax: checkpoint directory checked")
+    if aside is not None and is_process_0():
         if aside.exists():
             import shutil
 
             shutil.rmtree(aside)
         directory.rename(aside)
+    barrier("qsdp_jax: old checkpoints moved aside")
     ckpts = RunCheckpoints(directory, args.checkpoint_every, args.keep)
     ckpts.replaced = aside
     return ckpts
@@ -270,7 +294,8 @@ def train_loop(trainer, out: Path, start: int, progress, ckpts: RunCheckpoints |
             if getattr(ckpts, "replaced", None) is not None:
                 import shutil
 
-                shutil.rmtree(ckpts.replaced, ignore_errors=True)
+                if is_process_0():  # the final save is complete on every process (wait above)
+                    shutil.rmtree(ckpts.replaced, ignore_errors=True)
                 ckpts.replaced = None
             ckpts.close()
     if stop.received:

@@ -132,3 +132,33 @@ def test_failure_timeout_saves_and_exits(tmp_path, monkeypatch, capsys):
     assert "qsdp_jax watchdog: the trainer finished no train step for 1.5 s after step 3" in err
     assert "Saved step 3" in err
     assert (out / "checkpoints" / "3").is_dir()
+
+
+@pytest.mark.parametrize("process_0", [True, False])
+def test_overwrite_renames_on_process_0_only_between_barriers(tmp_path, monkeypatch, process_0):
+    """open_checkpoints with --overwrite, as every process of a multi-process run calls it on a
+    shared filesystem: all processes wait at a barrier after looking at the directory and again
+    after the move; only process 0 moves the old checkpoints aside (another process renaming or
+    deleting them too would race it)."""
+    import argparse
+
+    from experiments import run_files as rf
+
+    directory = tmp_path / "checkpoints"
+    (directory / "4").mkdir(parents=True)
+    (tmp_path / "checkpoints.replaced").mkdir()  # left over by an earlier overwrite
+    events = []
+    monkeypatch.setattr(rf, "is_process_0", lambda: process_0)
+    monkeypatch.setattr(rf, "barrier", lambda name: events.append(
+        (name, (directory / "4").exists(), (tmp_path / "checkpoints.replaced").exists())))
+    args = argparse.Namespace(checkpoint_dir=str(directory), checkpoint_every=2, resume=False,
+                              overwrite=True, keep=2)
+    ckpts = rf.open_checkpoints(args, tmp_path)
+    ckpts.close()
+    assert [e[0] for e in events] == ["qsdp_jax: checkpoint directory checked",
+                                      "qsdp_jax: old checkpoints moved aside"]
+    assert events[0][1:] == (True, True)  # nothing moved before every process has looked
+    assert ckpts.replaced == tmp_path / "checkpoints.replaced"  # each process knows the name
+    assert (directory / "4").exists() is not process_0
+    assert (tmp_path / "checkpoints.replaced" / "4").exists() is process_0
+    assert events[1][1] is not process_0  # moved before the second barrier, by process 0 only

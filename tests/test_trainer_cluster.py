@@ -123,3 +123,31 @@ def test_two_level_trainer_step_exports_for_tpu_and_cuda():
         inter, intra = "[[0, 4], [1, 5], [2, 6], [3, 7]]", "[[0, 1, 2, 3], [4, 5, 6, 7]]"
         for kind in ("all_to_all", "all_gather"):  # gradients, weights: packed u8 at both levels
             assert (kind, inter, "ui8") in ops and (kind, intra, "ui8") in ops, (kind, ops)
+
+
+def test_two_processes_stop_resume_and_overwrite_checkpoints(tmp_path):
+    """2 processes x 4 devices, checkpoints on a shared directory: a run stopped by SIGTERM after
+    step 3 saves (every process takes part in orbax's save), --resume continues it to the losses
+    of a straight run bit for bit, and a fresh --overwrite run over the same directory (process 0
+    alone moves the old checkpoints aside and deletes them, the others wait at a barrier) trains
+    to the same losses and leaves only its own checkpoints."""
+    from qsdp_jax.checkpoint import Checkpointer
+
+    argv = [*SMALL[:-6], "--steps", "6", "--eval-every", "6", "--no-fp32-ratio", "--quiet",
+            "--weight-bits", "8", "--grad-bits", "8", "--lr", "1e-2", "--warmup", "1", "--keep", "2"]
+    straight, out = tmp_path / "straight", tmp_path / "ckpt"
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}  # later runs skip compiling
+    res = run_processes("tests.trainer_worker", "stop_resume_overwrite", num_processes=2,
+                        devices_per_process=4, timeout_s=400, extra_env=cache,
+                        kwargs={"argv": argv, "straight": str(straight), "out": str(out), "stop_at": 3})
+    assert [r["process_index"] for r in res] == [0, 1]
+    for r in res:
+        assert r["stopped"] is not None and "SIGTERM at step 3/6" in r["stopped"], r["stopped"]
+        assert len(r["straight"]) == 6
+        assert r["resumed"] == r["straight"] and r["overwritten"] == r["straight"]
+    assert _losses(out) == _losses(straight) == res[0]["straight"]
+    with Checkpointer(out / "checkpoints") as c:
+        assert c.all_steps() == [4, 6]  # the overwriting run's own last 2
+    assert not (out / "checkpoints.replaced").exists()

@@ -13,3 +13,41 @@ def train(argvs: list[list[str]]) -> dict:
                      "n_devices": result.n_devices})
     return {"process_index": jax.process_index(), "process_count": jax.process_count(),
             "runs": runs}
+
+
+def stop_resume_overwrite(argv: list[str], straight: str, out: str, stop_at: int) -> dict:
+    """In every process: a straight run (``--out straight``); then a run with checkpoints in
+    ``out`` stopped by SIGTERM to this process after step ``stop_at`` (it saves); then
+    ``--resume``; then a fresh ``--overwrite`` run over the same checkpoint directory. The
+    losses of each (the resumed run's history includes the rows before the stop)."""
+    import os
+    import signal
+
+    from experiments import trainer as tr
+    from experiments.run_files import Stopped
+
+    def losses(args):
+        return [h.loss for h in tg.run_cli(tg.parse_args(args), print_summary=False).history]
+
+    ckpt = [*argv, "--out", out, "--checkpoint-every", "2"]
+    result = {"straight": losses([*argv, "--out", straight])}
+    real = tr.Trainer.steps
+
+    def steps(self):
+        for log in real(self):
+            if log.step == stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # the real signal and handler
+            yield log
+
+    tr.Trainer.steps = steps
+    try:
+        losses(ckpt)
+        result["stopped"] = None
+    except Stopped as e:
+        result["stopped"] = str(e)
+    finally:
+        tr.Trainer.steps = real
+    result["resumed"] = losses([*ckpt, "--resume"])
+    result["overwritten"] = losses([*ckpt, "--overwrite"])
+    result["process_index"] = jax.process_index()
+    return result
