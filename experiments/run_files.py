@@ -141,6 +141,7 @@ class RunCheckpoints:
         d = trainer.run.as_dict()
         for k in ("qsdp", "qsdp_name", "eval_every", "eval_batches"):
             d.pop(k, None)  # the QSDPConfig is checked field by field on its own
+        d.pop("mesh", None)  # a checkpoint restores onto any mesh shape (qsdp_jax.checkpoint)
         return d
 
     def latest_step(self) -> int | None:
