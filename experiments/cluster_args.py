@@ -22,7 +22,7 @@ OUTER_AXES = {"node": "node_axis", "replica": "replica_axis"}
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     """Add the mesh / per-level bits / distributed flags to ``p``."""
-    from experiments.train_gpt import _bits, _positive  # the CLI's own value parsers
+    from experiments.train_args import _bits, _positive  # the CLI's own value parsers
 
     g = p.add_argument_group("mesh / cluster")
     g.add_argument("--mesh", default="fsdp", metavar="SPEC",

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
-import tempfile
 from pathlib import Path
+
+from experiments.data import _write_atomically  # temp file + fsync + rename
 
 __all__ = [
     "CONFIGS", "DEFAULT_SEEDS", "GROUPS", "REFERENCE", "ConfigSpec", "Plan", "RunKey", "Settings",
@@ -174,17 +174,7 @@ def write_record(root: Path, key: RunKey, record: dict) -> Path:
     """Write ``record`` at ``key.path(root)`` atomically (temp file in the same folder, fsync,
     rename): an interrupted run leaves no record, so it is simply run again."""
     path = key.path(root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(record, indent=1) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _write_atomically(path, json.dumps(record, indent=1) + "\n")
     return path
 
 

@@ -22,493 +22,43 @@ imports nothing that uses jax at the top: :func:`run_cli` sets ``XLA_FLAGS`` fir
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
-from experiments.cluster_args import (
-    add_cluster_args,
-    mesh_config_kwargs,
-    mesh_sizes,
-    start_distributed,
-)
-from experiments.devices import describe_devices, simulate_cpu_devices, use_available_devices
+from experiments.devices import describe_devices
 from experiments.run_files import Stopped, open_checkpoints, resume_step, train_loop, write_atomic
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RUNS_DIR = REPO_ROOT / "runs"
-PRESETS = ("tiny", "small", "medium")
-ARTIFACTS = ("config.json", "metrics.jsonl", "summary.json", "loss.png")
-
-
-class CLIError(Exception):
-    """A bad flag, flag combination or environment; reported as an argparse error (exit 2)."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Arguments
-
-
-def _bits(text: str):
-    if text.strip().lower() in ("none", "fp", "full"):
-        return "none"
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer 1..8 or 'none', got {text!r}") from None
-    if not 1 <= v <= 8:
-        raise argparse.ArgumentTypeError(f"expected an integer 1..8 or 'none', got {v}")
-    return v
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.train_gpt",
-        usage="%(prog)s [options]   (--help for the list)",
-        description="Train the byte-level GPT with QSDP (quantized FSDP) or an FSDP baseline, "
-        "through the real sharded train step, on the devices JAX finds (GPU, TPU, else CPU).",
-        epilog="Baselines: --fp32 (FSDP, fp32 collectives), --bf16 (FSDP, bf16 collectives). "
-        "Default: QSDP W8G8 (weights on a randomly shifted 8-bit grid, 8-bit gradients).",
-    )
-    m = p.add_argument_group("model")
-    m.add_argument("--preset", choices=PRESETS, default="tiny", help="model size (default: tiny)")
-    m.add_argument("--d-model", type=_positive, help="override the preset's width")
-    m.add_argument("--n-layers", type=_positive, help="override the preset's depth")
-    m.add_argument("--n-heads", type=_positive, help="override the preset's number of heads")
-    m.add_argument("--seq-len", type=_positive, help="override the preset's context length")
-
-    t = p.add_argument_group("training")
-    t.add_argument("--steps", type=_positive, default=300, help="training steps (default: 300)")
-    t.add_argument("--batch", type=_positive, default=16,
-                   help="global batch size in sequences, a multiple of --devices (default: 16)")
-    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
-    t.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
-                   help="learning-rate schedule after warmup (default: cosine)")
-    t.add_argument("--warmup", type=int, default=None,
-                   help="linear warmup steps (default: 30, or steps // 10 if that is smaller)")
-    t.add_argument("--seed", type=int, default=0,
-                   help="seed of the initial weights, data order and quantization noise (default: 0)")
-    t.add_argument("--eval-every", type=_positive, default=None,
-                   help="validate every N steps and at the end (default: steps // 5)")
-    t.add_argument("--eval-batches", type=_positive, default=8,
-                   help="validation batches per evaluation (default: 8)")
-    t.add_argument("--data", default=None, help="a UTF-8 text file to train on (default: Shakespeare)")
-
-    qz = p.add_argument_group("quantization / communication")
-    qz.add_argument("--weight-bits", type=_bits, default=None, metavar="{1..8,none}",
-                    help="bits per weight on the all-gather (default: 8; none with --weight-mode full)")
-    qz.add_argument("--grad-bits", type=_bits, default=None, metavar="{1..8,none}",
-                    help="bits per gradient on the reduce-scatter (default: 8)")
-    qz.add_argument("--bucket-size", type=_positive, default=1024,
-                    help="elements per quantization bucket, a multiple of 8 (default: 1024)")
-    qz.add_argument("--min-shard-size", type=int, default=4096,
-                    help="leaves smaller than this stay replicated in full precision (default: 4096)")
-    qz.add_argument("--weight-mode", choices=("qsdp", "comm", "full"), default=None,
-                    help="qsdp: weights kept on a shifted grid (default); comm: quantized only "
-                    "for the all-gather (ZeRO++-style); full: full-precision gather")
-    qz.add_argument("--weight-rounding", choices=("shift", "stochastic"), default="shift",
-                    help="how qsdp mode puts updated weights on a grid (default: shift)")
-    qz.add_argument("--comm-dtype", choices=("float32", "bfloat16"), default=None,
-                    help="dtype of the unquantized collectives (default: float32)")
-    base = qz.add_mutually_exclusive_group()
-    base.add_argument("--fp32", action="store_true",
-                      help="the fp32 FSDP baseline (weight/grad bits none, mode full, fp32 comm)")
-    base.add_argument("--bf16", action="store_true",
-                      help="the bf16 FSDP baseline (weight/grad bits none, mode full, bf16 comm)")
-
-    o = p.add_argument_group("environment / output")
-    o.add_argument("--devices", type=_positive, default=None,
-                   help="use the first N devices (default: all; on a machine with only a CPU, "
-                   "N simulated CPU devices, default 8)")
-    o.add_argument("--simulate-devices", type=_positive, default=None, metavar="N",
-                   help="run on N simulated CPU devices even where a GPU/TPU is present")
-    o.add_argument("--out", type=Path, default=None,
-                   help="output directory (default: runs/<preset>-<config>-<timestamp>)")
-    o.add_argument("--overwrite", action="store_true",
-                   help="replace this tool's files in an existing non-empty output directory")
-    o.add_argument("--no-fp32-ratio", action="store_true",
-                   help="skip compiling the fp32 step for the bytes-vs-fp32 ratio")
-    o.add_argument("--quiet", action="store_true",
-                   help="no progress line; a one-line summary instead of the full one")
-
-    c = p.add_argument_group("checkpoints")
-    c.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="where checkpoints go (default: <out>/checkpoints when --checkpoint-every "
-                   "or --resume is given)")
-    c.add_argument("--checkpoint-every", type=_positive, default=None,
-                   help="save every N steps, asynchronously (and always on SIGTERM/SIGINT and at the end)")
-    c.add_argument("--keep", type=_positive, default=3, help="complete checkpoints kept (default: 3)")
-    c.add_argument("--resume", action="store_true",
-                   help="continue from the latest complete checkpoint (start fresh when there is none); "
-                   "metrics continue the same metrics.jsonl")
-    c.add_argument("--failure-timeout", type=float, default=None, metavar="S",
-                   help="exit (status 75, after trying to save) when no step finishes for S seconds "
-                   "or a collective fails, e.g. a peer process died (default: off; 60 is a good bound "
-                   "for multi-process runs)")
-    add_cluster_args(p)
-    return p
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
-
-
-def qsdp_kwargs(args: argparse.Namespace) -> dict:
-    """QSDPConfig keyword arguments from the flags; CLIError on a contradictory combination."""
-    wbits, gbits, mode, dtype = args.weight_bits, args.grad_bits, args.weight_mode, args.comm_dtype
-    if args.fp32 or args.bf16:
-        flag = "--fp32" if args.fp32 else "--bf16"
-        want = "float32" if args.fp32 else "bfloat16"
-        for name, v in (("--weight-bits", wbits), ("--grad-bits", gbits)):
-            if v not in (None, "none"):
-                raise CLIError(f"{flag} is unquantized FSDP, it cannot be combined with {name} {v}")
-        if mode not in (None, "full"):
-            raise CLIError(f"{flag} is unquantized FSDP (weight mode full), not --weight-mode {mode}")
-        if dtype not in (None, want):
-            raise CLIError(f"{flag} communicates in {want}, not --comm-dtype {dtype}")
-        wbits = gbits = "none"
-        mode, dtype = "full", want
-    mode = mode or "qsdp"
-    if wbits is None:
-        wbits = "none" if mode == "full" else 8
-    if gbits is None:
-        gbits = 8
-    if mode == "full" and wbits != "none":
-        raise CLIError(
-            f"--weight-mode full gathers full-precision weights and cannot use --weight-bits {wbits}: "
-            "use --weight-mode qsdp or comm to quantize weights, or --weight-bits none"
-        )
-    if mode in ("qsdp", "comm") and wbits == "none":
-        raise CLIError(
-            f"--weight-mode {mode} quantizes weights and needs --weight-bits 1..8; "
-            "for full-precision weights use --weight-mode full (or --fp32 / --bf16)"
-        )
-    try:
-        levels = mesh_config_kwargs(args.mesh)
-    except ValueError as e:
-        raise CLIError(str(e)) from None
-    for name in ("inter_weight_bits", "inter_grad_bits"):
-        v = getattr(args, name)
-        if v is not None:  # "none": full precision on the outer level, written as None
-            levels[name] = None if v == "none" else v
-            if v == "none" and "node_axis" not in levels and "replica_axis" not in levels:
-                raise CLIError(f"--{name.replace('_', '-')} needs a 2-D --mesh (node=...,local=... "
-                               "or replica=...,fsdp=...)")
-    return dict(
-        **levels,
-        weight_bits=None if wbits == "none" else wbits,
-        grad_bits=None if gbits == "none" else gbits,
-        bucket_size=args.bucket_size,
-        min_shard_size=args.min_shard_size,
-        weight_mode=mode,
-        weight_rounding=args.weight_rounding,
-        fp_comm_dtype=dtype or "float32",
-        seed=args.seed,
-    )
-
-
-def default_out(preset: str, name: str) -> Path:
-    return RUNS_DIR / f"{preset}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def check_out_dir(out: Path, overwrite: bool, resume: bool = False) -> None:
-    """CLIError if ``out`` is unusable or holds files and ``overwrite`` is not set."""
-    if out.exists() and not out.is_dir():
-        raise CLIError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite and not resume:
-        raise CLIError(
-            f"output directory {out} exists and is not empty; pass --overwrite to replace its "
-            f"run files ({', '.join(ARTIFACTS)}) or choose another --out"
-        )
-
-
-# ----------------------------------------------------------------------------------------------
-# Devices
-
-
-def select_devices(n: int | None):
-    """The first ``n`` devices JAX found (all of them when ``n`` is None)."""
-    import jax
-
-    devs = jax.devices()
-    if n is None:
-        return devs
-    if len(devs) < n:
-        if devs[0].platform == "cpu":
-            raise CLIError(
-                f"--devices {n}, but jax was already set up with {len(devs)} device(s) in this "
-                f"process (cpu); the count of simulated devices can only be chosen before jax "
-                f"starts (XLA_FLAGS=--xla_force_host_platform_device_count={n}); use --devices "
-                f"{len(devs)} or run in a fresh process"
-            )
-        raise CLIError(f"--devices {n}, but jax found only {len(devs)} {devs[0].platform} "
-                       f"device(s): use --devices {len(devs)} or leave it out")
-    if n < len(devs) and jax.process_count() > 1:
-        raise CLIError(f"--devices {n} with {jax.process_count()} processes: every process's "
-                       f"devices take part, leave --devices out (there are {len(devs)})")
-    return devs[:n]
-
-
-def setup_devices(args: argparse.Namespace):
-    """Devices for the run: the real ones or simulated CPU devices (set before jax starts), after
-    starting ``jax.distributed`` when there are several processes."""
-    if args.simulate_devices is not None:
-        if args.devices is not None and args.devices > args.simulate_devices:
-            raise CLIError(f"--devices {args.devices} is more than --simulate-devices "
-                           f"{args.simulate_devices}")
-        simulate_cpu_devices(args.simulate_devices)
-    else:
-        use_available_devices(args.devices or 8)
-    try:
-        start_distributed(args)
-    except ValueError as e:
-        raise CLIError(str(e)) from None
-    return select_devices(args.devices or args.simulate_devices)
-
-
-# ----------------------------------------------------------------------------------------------
-# Progress
-
-
-class Progress:
-    """One progress line on stderr: ``\\r``-updated on a TTY, a plain line every ~10% otherwise."""
-
-    def __init__(self, total: int, tokens_per_step: int, stream=None, enabled: bool = True):
-        self.total = total
-        self.tokens = tokens_per_step
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.every = max(1, total // 10)
-        self.times: list[float] = []
-        self.last_val: float | None = None
-        self._last_draw = 0.0
-        self._width = 0
-
-    def update(self, log) -> None:
-        self.times.append(log.seconds)
-        if log.val_loss is not None:
-            self.last_val = log.val_loss
-        if not self.enabled:
-            return
-        done = log.step >= self.total
-        if self.tty:
-            now = time.monotonic()
-            if done or log.val_loss is not None or now - self._last_draw > 0.1:
-                self._last_draw = now
-                line = self._line(log)
-                self.stream.write("\r" + line.ljust(self._width))
-                self._width = len(line)
-                if done:
-                    self.stream.write("\n")
-                self.stream.flush()
-        elif done or log.step % self.every == 0 or log.step == 1:
-            self.stream.write(self._line(log) + "\n")
-            self.stream.flush()
-
-    def _line(self, log) -> str:
-        timed = self.times[1:] or self.times  # the first step includes compilation
-        recent = timed[-50:]
-        sec = sum(recent) / len(recent)
-        eta = sec * (self.total - log.step)
-        w = len(str(self.total))
-        val = f"  val {self.last_val:.4f}" if self.last_val is not None else ""
-        return (
-            f"step {log.step:>{w}}/{self.total}  loss {log.loss:.4f}{val}  "
-            f"{self.tokens / sec:,.0f} tok/s  ETA {_hms(eta)}"
-        )
-
-
-def _hms(s: float) -> str:
-    s = int(round(s))
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
-# ----------------------------------------------------------------------------------------------
-# Output
-
-
-def _num(x: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if x >= scale:
-            return f"{x / scale:.2f} {unit}"
-    return f"{x:.0f} B"
-
-
-def plot_loss(history, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot([h.step for h in history], [h.loss for h in history], lw=1, label="train loss")
-    val = [(h.step, h.val_loss) for h in history if h.val_loss is not None]
-    if val:
-        ax.plot(*zip(*val), "o-", ms=4, label="validation loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    import io
-
-    from experiments.run_files import write_atomic
-
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png")
-    plt.close(fig)
-    write_atomic(path, buf.getvalue())
-
-
-def summary_text(summary: dict, report_table: str | None) -> str:
-    devices = summary.get("devices", f"{summary['n_devices']} devices")
-    lines = [
-        f"run            {summary['name']}  ({summary['n_params']:,} params, "
-        f"{devices}, {summary['steps']} steps)",
-        f"train loss     {summary['train_loss']:.4f}  (mean of the last 10% of steps)",
-        f"val loss       {summary['val_loss']:.4f}",
-        f"tokens/s       {summary['tokens_per_s']:,.0f}"
-        + ("  (simulated devices on CPU: compute, not network, speed)" if "simulated" in devices
-           else ""),
-        f"time           setup {summary['setup_s']:.1f} s (data, init, compiling)   "
-        f"wall {summary['wall_s']:.1f} s",
-        f"wire bytes     {_num(summary['wire_bytes_per_step'])} per device per step",
-    ]
-    by_axis = summary.get("wire_bytes_by_axis") or {}
-    if len(summary.get("mesh") or {}) > 1:
-        lines.append("  by mesh axis " + ", ".join(f"{k}: {_num(v)}" for k, v in sorted(by_axis.items())))
-    ratio = summary.get("bytes_ratio_vs_fp32")
-    if ratio is not None:
-        lines.append(
-            f"vs fp32 FSDP   {ratio:.2f}x fewer bytes ({_num(summary['fp32_wire_bytes_per_step'])} "
-            "per step in fp32)"
-        )
-    if summary["nonfinite_steps"]:
-        lines.append(f"WARNING        {summary['nonfinite_steps']} step(s) skipped for non-finite gradients")
-    if report_table:
-        lines += ["", report_table]
-    lines.append(f"\nwrote {summary['out_dir']}/{{{','.join(ARTIFACTS)}}}")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# The run
-
-
-def build_run_config(args: argparse.Namespace, mesh: tuple = ()):
-    """(QSDPConfig, RunConfig) from the flags (``mesh``: the sizes, see ``RunConfig.mesh``);
-    CLIError on any invalid value or combination."""
-    import qsdp_jax as q
-    from experiments.trainer import RunConfig
-
-    kw = qsdp_kwargs(args)
-    overrides = tuple(
-        (k, v) for k, v in (("d_model", args.d_model), ("n_layers", args.n_layers), ("n_heads", args.n_heads))
-        if v is not None
-    )
-    warmup = args.warmup  # None: RunConfig picks min(30, steps // 10)
-    eval_every = args.eval_every if args.eval_every is not None else max(1, args.steps // 5)
-    try:
-        cfg = q.QSDPConfig(**kw)
-        run = RunConfig(
-            qsdp=cfg, preset=args.preset, model_overrides=overrides, steps=args.steps,
-            batch_size=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=warmup,
-            schedule=args.schedule, seed=args.seed, eval_every=eval_every,
-            eval_batches=args.eval_batches, data_path=None if args.data is None else str(args.data),
-            mesh=mesh,
-        )
-    except (ValueError, TypeError) as e:
-        raise CLIError(str(e)) from None
-    return cfg, run
-
-
-def fp32_wire_bytes(trainer) -> float:
-    """Wire bytes per step of the fp32 FSDP step for the same model, mesh and batch (compiled
-    from abstract state, nothing allocated)."""
-    import jax
-
-    import qsdp_jax as q
-    from experiments.trainer import make_optimizer
-    from qsdp_jax import comm
-
-    run = dataclasses.replace(
-        trainer.run, qsdp=q.QSDPConfig.fp32(
-            bucket_size=trainer.run.qsdp.bucket_size, min_shard_size=trainer.run.qsdp.min_shard_size,
-            seed=trainer.run.qsdp.seed, axis_name=trainer.run.qsdp.axis_name,
-        )
-    )
-    opt = make_optimizer(run)
-    params = jax.eval_shape(lambda: trainer.model.init_params(run.seed))
-    state = q.abstract_train_state(params, opt, trainer.mesh, run.qsdp, stacked=trainer.model.stacked_groups)
-    step = q.make_train_step(trainer.model.loss, opt, trainer.mesh, run.qsdp)
-    return comm.comm_report(step, state, trainer.batch(0)).total_bytes
-
-
-def _is_main_process_hint() -> bool:
-    """Before jax starts: whether this looks like process 0 (from QSDP_PROCESS_ID / SLURM_PROCID),
-    so that only it checks the output directory."""
-    for var in ("QSDP_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "TPU_WORKER_ID"):
-        if os.environ.get(var, "0").strip() not in ("", "0"):
-            return False
-    return True
-
-
-def prepare_run(args: argparse.Namespace):
-    """Check the flags, start the devices (and ``jax.distributed``), size the mesh: returns
-    ``(devices, is_main, cfg, run, out)``. CLIError before anything is written."""
-    if args.data is not None and not Path(args.data).is_file():
-        raise CLIError(f"--data {args.data}: no such file")
-    for n in (args.devices, args.simulate_devices):
-        if n is not None and args.batch % n:
-            raise CLIError(f"--batch {args.batch} does not divide over {n} devices: use a "
-                           f"multiple of {n}")
-    main = _is_main_process_hint() and args.process_id in (None, 0)
-    if args.out is not None and main:
-        check_out_dir(Path(args.out), args.overwrite, args.resume)  # before the (slow) jax import
-    devices = setup_devices(args)
-    from qsdp_jax import distributed
-
-    main = distributed.is_main_process()
-    if args.batch % len(devices):
-        raise CLIError(f"--batch {args.batch} does not divide over {len(devices)} devices: use a "
-                       f"multiple of {len(devices)}")
-    qsdp_kwargs(args)  # flag combinations first, then the mesh's sizes
-    try:
-        mesh = mesh_sizes(args.mesh, len(devices), distributed.num_processes())
-    except ValueError as e:
-        raise CLIError(str(e)) from None
-    cfg, run = build_run_config(args, mesh)
-    out = Path(args.out) if args.out is not None else default_out(args.preset, cfg.name)
-    if main:
-        check_out_dir(out, args.overwrite, args.resume)
-    return devices, main, cfg, run, out
-
-
-def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
-    """Run the training the flags describe; returns the RunResult. CLIError on bad flags or
-    environment, before anything is written."""
-    devices, main, cfg, run, out = prepare_run(args)
+from experiments.train_args import (  # noqa: F401  (re-exported: the CLI's names live here)
+    ARTIFACTS,
+    PRESETS,
+    REPO_ROOT,
+    RUNS_DIR,
+    CLIError,
+    _bits,
+    _positive,
+    build_parser,
+    check_out_dir,
+    default_out,
+    parse_args,
+    qsdp_kwargs,
+)
+from experiments.train_report import Progress, _hms, _num, plot_loss, summary_text  # noqa: F401
+from experiments.train_setup import (  # noqa: F401
+    build_run_config,
+    fp32_wire_bytes,
+    prepare_run,
+    select_devices,
+    setup_devices,
+)
+
+
+def _set_up_trainer(args, devices, cfg, run):
+    """The Trainer for ``run`` (compiles nothing yet); CLIError when the data cannot feed it."""
     from qsdp_jax import distributed
 
     from experiments import trainer as tr
 
-    t_start = time.perf_counter()
     if not args.quiet:
         distributed.main_print(
             f"{cfg.name}: setting up on {describe_devices(devices)}"
@@ -523,11 +73,11 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
         textdata.eval_batches(trainer.dataset.val, run.batch_size, seq, run.eval_batches)
     except (ValueError, FileNotFoundError) as e:
         raise CLIError(f"cannot set up the run: {e}") from None
+    return trainer
 
-    if main:  # only process 0 writes the run's files
-        out.mkdir(parents=True, exist_ok=True)
-    ckpts = open_checkpoints(args, out)
-    start = resume_step(ckpts, trainer, args) if ckpts is not None else 0
+
+def _run_config(args, devices, cfg, run, trainer) -> dict:
+    """What ``config.json`` records about the run."""
     config = run.as_dict()
     config.update(
         name=cfg.name,
@@ -538,18 +88,50 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
         argv=list(getattr(args, "argv", None) or []),
         devices=describe_devices(devices),
     )
+    return config
+
+
+def _fp32_bytes(args, cfg, trainer, report):
+    """Wire bytes per step of fp32 FSDP (None when ``--no-fp32-ratio`` skips compiling it)."""
+    if cfg.weight_bits is None and cfg.grad_bits is None and cfg.fp_comm_dtype == "float32":
+        return report.total_bytes
+    return None if args.no_fp32_ratio else fp32_wire_bytes(trainer)
+
+
+def _write_results(args, cfg, out, summary, history, report, trainer, print_summary) -> None:
+    """Process 0's ``summary.json``, ``loss.png`` and printed summary."""
+    write_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    model = trainer.model.cfg
+    plot_loss(history, out / "loss.png",
+              f"{cfg.name}: GPT d{model.d_model} L{model.n_layers} on {summary['devices']}")
+    if print_summary:
+        if args.quiet:
+            print(f"{cfg.name}: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}, "
+                  f"{_num(summary['wire_bytes_per_step'])}/step; wrote {out}")
+        else:
+            print(summary_text(summary, report.table()))
+
+
+def run_cli(args, *, print_summary: bool = True):
+    """Run the training the flags describe; returns the RunResult. CLIError on bad flags or
+    environment, before anything is written."""
+    devices, main, cfg, run, out = prepare_run(args)
+    from experiments import trainer as tr
+
+    t_start = time.perf_counter()
+    trainer = _set_up_trainer(args, devices, cfg, run)
+    if main:  # only process 0 writes the run's files
+        out.mkdir(parents=True, exist_ok=True)
+    ckpts = open_checkpoints(args, out)
+    start = resume_step(ckpts, trainer, args) if ckpts is not None else 0
     if main:
+        config = _run_config(args, devices, cfg, run, trainer)
         write_atomic(out / "config.json", json.dumps(config, indent=1) + "\n")
 
     t_compile = time.perf_counter()
     report = trainer.wire_report()  # compiles the step (the first step then reuses it)
     compile_s = time.perf_counter() - t_compile
-    fp32_bytes = None
-    if not (cfg.weight_bits is None and cfg.grad_bits is None and cfg.fp_comm_dtype == "float32"):
-        if not args.no_fp32_ratio:
-            fp32_bytes = fp32_wire_bytes(trainer)
-    else:
-        fp32_bytes = report.total_bytes
+    fp32_bytes = _fp32_bytes(args, cfg, trainer, report)
 
     setup_s = time.perf_counter() - t_start
     progress = Progress(run.steps, run.batch_size * trainer.model.cfg.seq_len,
@@ -566,18 +148,8 @@ def run_cli(args: argparse.Namespace, *, print_summary: bool = True):
         devices=describe_devices(devices), mesh=dict(trainer.mesh.shape),
         wire_bytes_by_axis=report.by_axis(trainer.mesh),
     )
-    if not main:
-        return result
-    write_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
-    model = trainer.model.cfg
-    plot_loss(history, out / "loss.png",
-              f"{cfg.name}: GPT d{model.d_model} L{model.n_layers} on {summary['devices']}")
-    if print_summary:
-        if args.quiet:
-            print(f"{cfg.name}: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}, "
-                  f"{_num(summary['wire_bytes_per_step'])}/step; wrote {out}")
-        else:
-            print(summary_text(summary, report.table()))
+    if main:
+        _write_results(args, cfg, out, summary, history, report, trainer, print_summary)
     return result
 
 

@@ -17,17 +17,8 @@
 #   PYTHON    [.venv/bin/python]
 set -euo pipefail
 
-# Print a command as it would be typed (quoted only where needed).
-show() {
-  local a out=()
-  for a in "$@"; do
-    if [[ "$a" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then out+=("$a")
-    elif [[ "$a" != *"'"* && "$a" =~ ^(--[a-z-]+=|[A-Za-z_][A-Za-z0-9_]*=)(.*)$ ]]; then out+=("${BASH_REMATCH[1]}'${BASH_REMATCH[2]}'")
-    elif [[ "$a" != *"'"* ]]; then out+=("'$a'")
-    else out+=("$(printf '%q' "$a")"); fi
-  done
-  echo "${out[*]}"
-}
+# shellcheck source=scripts_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts_lib.sh"  # show, gpu_overlap_env
 
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
@@ -46,12 +37,7 @@ PORT="${PORT:-29511}"
 OUT="${OUT:-runs/single-node}"
 PYTHON="${PYTHON:-.venv/bin/python}"
 
-export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_latency_hiding_scheduler=true \
---xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true \
---xla_gpu_enable_pipelined_all_reduce=true --xla_gpu_enable_while_loop_double_buffering=true"
-export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
-export QSDP_HEARTBEAT_TIMEOUT_S="${QSDP_HEARTBEAT_TIMEOUT_S:-10}"
-
+gpu_overlap_env  # XLA_FLAGS: collectives overlap compute (see scripts_lib.sh)
 
 if [[ "$DRY_RUN" == 1 ]]; then
   show export XLA_FLAGS="$XLA_FLAGS"

@@ -29,17 +29,8 @@
 #SBATCH --output=qsdp-train-%j.out
 set -euo pipefail
 
-# Print a command as it would be typed (quoted only where needed).
-show() {
-  local a out=()
-  for a in "$@"; do
-    if [[ "$a" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then out+=("$a")
-    elif [[ "$a" != *"'"* && "$a" =~ ^(--[a-z-]+=|[A-Za-z_][A-Za-z0-9_]*=)(.*)$ ]]; then out+=("${BASH_REMATCH[1]}'${BASH_REMATCH[2]}'")
-    elif [[ "$a" != *"'"* ]]; then out+=("'$a'")
-    else out+=("$(printf '%q' "$a")"); fi
-  done
-  echo "${out[*]}"
-}
+# shellcheck source=scripts_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts_lib.sh"  # show, gpu_overlap_env
 
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
@@ -60,14 +51,8 @@ case "$PROCS" in
   *) echo "PROCS=$PROCS: use gpu (one process per GPU) or node (one per node)" >&2; exit 2 ;;
 esac
 
-# Collectives overlap compute: the latency-hiding scheduler moves them around the matmuls, and
-# the pipelined all-gather / reduce-scatter prefetch the next layer inside the scanned layer loop.
-export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_latency_hiding_scheduler=true \
---xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true \
---xla_gpu_enable_pipelined_all_reduce=true --xla_gpu_enable_while_loop_double_buffering=true"
-export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
+gpu_overlap_env  # XLA_FLAGS: collectives overlap compute (see scripts_lib.sh)
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
-export QSDP_HEARTBEAT_TIMEOUT_S="${QSDP_HEARTBEAT_TIMEOUT_S:-10}"
 
 CMD=(srun --nodes="$NODES" --ntasks-per-node="$TASKS_PER_NODE" --kill-on-bad-exit=1
      "$PYTHON" -m experiments.train_gpt --mesh "$MESH" --out "$OUT" --process-logs "$OUT/logs"

@@ -120,27 +120,38 @@ def quantized_all_gather(
     Returns the float32 full buffer, ``axis_size * len(shard)`` elements.
     """
     n = shard.shape[-1]
+    payload = quantize_payload(shard, bits=bits, bucket=bucket, grid=grid, rounding=rounding,
+                               key=key, kernels=kernels)
+    gathered = lax.all_gather(payload, axis_name, axis=0, tiled=False)  # (N, payload)
+    return dequantize_payloads(gathered, n, bits=bits, bucket=bucket, kernels=kernels)
+
+
+def quantize_payload(shard, *, bits, bucket, grid=None, rounding="nearest", key=None, kernels="auto"):
+    """The uint8 payload of a 1-D shard (codes + per-bucket stats bytes, :func:`to_payload`'s
+    layout): on ``grid`` when given (lossless), else quantized with ``rounding``."""
     if grid is not None:
-        payload = qk.select(
+        return qk.select(
             kernels,
             lambda x, s, o: to_payload(qz.quantize_on_grid(x, s, o, bits, bucket)),
             lambda x, s, o, target: payload_from_packed(qk.grid_pack(x, s, o, bits, bucket, target=target), s, o),
             shard, grid[0], grid[1], bucket=bucket,
         )
-    else:
-        payload = qk.select(
-            kernels,
-            lambda x: to_payload(qz.quantize(x, bits, bucket, rounding, key)),
-            lambda x, target: payload_from_packed(*qk.quantize_pack(x, bits, bucket, rounding, key, target=target)),
-            shard, bucket=bucket,
-        )
-    gathered = lax.all_gather(payload, axis_name, axis=0, tiled=False)  # (N, payload)
+    return qk.select(
+        kernels,
+        lambda x: to_payload(qz.quantize(x, bits, bucket, rounding, key)),
+        lambda x, target: payload_from_packed(*qk.quantize_pack(x, bits, bucket, rounding, key, target=target)),
+        shard, bucket=bucket,
+    )
+
+
+def dequantize_payloads(payloads, n, *, bits, bucket, kernels="auto"):
+    """``(senders, payload)`` uint8 rows of ``n`` elements each -> the float32 concatenation."""
     return qk.select(
         kernels,
         lambda p: from_payload(p, n, bits, bucket).dequantize().reshape(-1),
         lambda p, target: qk.unpack_dequantize(
             *split_payload(p, n, bits, bucket), bits, bucket, n, target=target).reshape(-1),
-        gathered, bucket=bucket,
+        payloads, bucket=bucket,
     )
 
 

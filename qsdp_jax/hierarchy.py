@@ -48,11 +48,11 @@ from qsdp_jax import quantizers as qz
 from qsdp_jax.collectives import (
     GatherSpec,
     all_gather_fp,
-    from_payload,
+    dequantize_payloads,
+    quantize_payload,
     quantized_all_gather,
     quantized_reduce_scatter,
     reduce_scatter_fp,
-    to_payload,
 )
 
 STAGE_INNER = 1
@@ -67,22 +67,23 @@ def _round_up(n: int, m: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # One level
 # ----------------------------------------------------------------------------------------------
-def _gather_level(x, *, bits, mode, axis_name, bucket, fp_dtype, grid=None):
+def _gather_level(x, *, bits, mode, axis_name, bucket, fp_dtype, grid=None, kernels="auto"):
     """A single-axis gather with this level's bits: fp (``bits=None``) or quantized."""
     if bits is None:
         return all_gather_fp(x, axis_name=axis_name, dtype=fp_dtype)
     return quantized_all_gather(
         x, bits=bits, bucket=bucket, axis_name=axis_name,
-        grid=grid if mode == "qsdp" else None, rounding="nearest",
+        grid=grid if mode == "qsdp" else None, rounding="nearest", kernels=kernels,
     )
 
 
-def _reduce_scatter_level(full, *, bits, axis_name, bucket, key, rounding, fp_dtype):
+def _reduce_scatter_level(full, *, bits, axis_name, bucket, key, rounding, fp_dtype, kernels="auto"):
     """A single-axis reduce-scatter with this level's bits: fp (``bits=None``) or quantized."""
     if bits is None:
         return reduce_scatter_fp(full, axis_name=axis_name, dtype=fp_dtype)
     return quantized_reduce_scatter(
-        full, bits=bits, bucket=bucket, axis_name=axis_name, key=key, rounding=rounding
+        full, bits=bits, bucket=bucket, axis_name=axis_name, key=key, rounding=rounding,
+        kernels=kernels,
     )
 
 
@@ -100,6 +101,7 @@ def two_level_all_gather(
     inner_bits: int | None,
     fp_dtype: str = "float32",
     grid: tuple[jax.Array, jax.Array] | None = None,
+    kernels: str = "auto",
 ) -> jax.Array:
     """Gather a 1-D shard sharded node-major over ``(outer_axis, inner_axis)``: across nodes
     first, then inside the node (see the module docstring). Returns the float32 full buffer."""
@@ -107,15 +109,13 @@ def two_level_all_gather(
     if weight_mode == "qsdp" and grid is None:
         raise ValueError("weight_mode='qsdp' gathers need the grid the shard lies on")
     if outer_bits is not None and outer_bits == inner_bits:  # one quantization, payload forwarded
-        if weight_mode == "qsdp":
-            qt = qz.quantize_on_grid(shard, grid[0], grid[1], outer_bits, bucket)
-        else:
-            qt = qz.quantize(shard, outer_bits, bucket, "nearest", None)
-        across = lax.all_gather(to_payload(qt), outer_axis, axis=0, tiled=False)  # (N, P)
+        payload = quantize_payload(shard, bits=outer_bits, bucket=bucket, kernels=kernels,
+                                   grid=grid if weight_mode == "qsdp" else None)
+        across = lax.all_gather(payload, outer_axis, axis=0, tiled=False)  # (N, P)
         both = lax.all_gather(across, inner_axis, axis=0, tiled=False)  # (L, N, P)
         nodes_first = jnp.swapaxes(both, 0, 1).reshape(-1, both.shape[-1])  # (N * L, P)
-        return from_payload(nodes_first, c, outer_bits, bucket).dequantize().reshape(-1)
-    kw = dict(mode=weight_mode, bucket=bucket, fp_dtype=fp_dtype)
+        return dequantize_payloads(nodes_first, c, bits=outer_bits, bucket=bucket, kernels=kernels)
+    kw = dict(mode=weight_mode, bucket=bucket, fp_dtype=fp_dtype, kernels=kernels)
     across = _gather_level(shard, bits=outer_bits, axis_name=outer_axis, grid=grid, **kw)  # (N*c,)
     both = _gather_level(across, bits=inner_bits, axis_name=inner_axis, **kw)  # (L*N*c,) local-major
     n = lax.axis_size(outer_axis)
@@ -133,6 +133,7 @@ def two_level_reduce_scatter(
     key: jax.Array | None,
     rounding: str = "stochastic",
     fp_dtype: str = "float32",
+    kernels: str = "auto",
 ) -> jax.Array:
     """Sum a 1-D buffer over both axes and keep this device's node-major chunk: inside the node
     first (``inner_bits``), then across nodes (``outer_bits``) on ``1/L`` of the data."""
@@ -148,7 +149,7 @@ def two_level_reduce_scatter(
     if key is not None:
         inner_key = qz.derive_key(key, STAGE_INNER, lax.axis_index(outer_axis))
         outer_key = qz.derive_key(key, STAGE_OUTER, lax.axis_index(inner_axis))
-    kw = dict(bucket=bucket, rounding=rounding, fp_dtype=fp_dtype)
+    kw = dict(bucket=bucket, rounding=rounding, fp_dtype=fp_dtype, kernels=kernels)
     node_sums = _reduce_scatter_level(by_local, bits=inner_bits, axis_name=inner_axis, key=inner_key, **kw)
     return _reduce_scatter_level(node_sums, bits=outer_bits, axis_name=outer_axis, key=outer_key, **kw)
 
@@ -166,6 +167,7 @@ def cross_group_all_reduce(
     key: jax.Array | None,
     rounding: str = "stochastic",
     fp_dtype: str = "float32",
+    kernels: str = "auto",
 ) -> jax.Array:
     """Sum a 1-D shard over ``replica_axis``; the same bits on every replica.
 
@@ -186,11 +188,11 @@ def cross_group_all_reduce(
     group = lax.axis_index(group_axis)
     part = quantized_reduce_scatter(
         x, bits=bits, bucket=bucket, axis_name=replica_axis,
-        key=qz.derive_key(key, STAGE_OUTER, group), rounding=rounding,
+        key=qz.derive_key(key, STAGE_OUTER, group), rounding=rounding, kernels=kernels,
     )
     gather_key = qz.derive_key(key, STAGE_OUTER_GATHER, group, lax.axis_index(replica_axis))
     summed = quantized_all_gather(part, bits=bits, bucket=bucket, axis_name=replica_axis,
-                                  rounding=rounding, key=gather_key)
+                                  rounding=rounding, key=gather_key, kernels=kernels)
     return summed[:c]
 
 
@@ -217,6 +219,7 @@ class TwoLevelSpec:
     outer_grad_bits: int | None
     grad_rounding: str = "stochastic"
     fp_dtype: str = "float32"
+    kernels: str = "auto"
 
     @classmethod
     def from_config(cls, config) -> "TwoLevelSpec":
@@ -234,13 +237,14 @@ class TwoLevelSpec:
             outer_grad_bits=config.outer_grad_bits,
             grad_rounding=config.grad_rounding,
             fp_dtype=config.fp_comm_dtype,
+            kernels=config.kernels,
         )
 
     def _inner_1d(self) -> GatherSpec:
         return GatherSpec(
             axis_name=self.inner_axis, bucket=self.bucket, weight_mode=self.weight_mode,
             weight_bits=self.inner_weight_bits, grad_bits=self.inner_grad_bits,
-            grad_rounding=self.grad_rounding, fp_dtype=self.fp_dtype,
+            grad_rounding=self.grad_rounding, fp_dtype=self.fp_dtype, kernels=self.kernels,
         )
 
     def gather(self, shard, grid):
@@ -250,6 +254,7 @@ class TwoLevelSpec:
             shard, outer_axis=self.outer_axis, inner_axis=self.inner_axis, bucket=self.bucket,
             weight_mode=self.weight_mode, outer_bits=self.outer_weight_bits,
             inner_bits=self.inner_weight_bits, fp_dtype=self.fp_dtype, grid=grid,
+            kernels=self.kernels,
         )
 
     def reduce_scatter(self, full, key):
@@ -257,13 +262,14 @@ class TwoLevelSpec:
             return two_level_reduce_scatter(
                 full, outer_axis=self.outer_axis, inner_axis=self.inner_axis, bucket=self.bucket,
                 outer_bits=self.outer_grad_bits, inner_bits=self.inner_grad_bits, key=key,
-                rounding=self.grad_rounding, fp_dtype=self.fp_dtype,
+                rounding=self.grad_rounding, fp_dtype=self.fp_dtype, kernels=self.kernels,
             )
         inner_key = qz.derive_key(key, STAGE_INNER, lax.axis_index(self.outer_axis))
         shard = self._inner_1d().reduce_scatter(full, inner_key)
         return cross_group_all_reduce(
             shard, replica_axis=self.outer_axis, group_axis=self.inner_axis, bucket=self.bucket,
             bits=self.outer_grad_bits, key=key, rounding=self.grad_rounding, fp_dtype=self.fp_dtype,
+            kernels=self.kernels,
         )
 
 

@@ -90,7 +90,12 @@ def _order_devices(devs: list, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def check_mesh(mesh: Mesh, axis_name: str) -> int:
-    """The size of ``axis_name`` in ``mesh``; a clear error if the axis is missing."""
+    """The size of ``axis_name`` in a 1-D ``mesh``; a clear error if the axis is missing.
+
+    Multi-axis meshes (hierarchical ``node_axis`` / hybrid ``replica_axis``) are checked
+    against their config by :func:`qsdp_jax.hierarchy.mesh_sizes` instead; this helper
+    points there rather than guessing which axes shard the weights.
+    """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"expected a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis_name not in mesh.axis_names:
@@ -100,7 +105,9 @@ def check_mesh(mesh: Mesh, axis_name: str) -> int:
         )
     if len(mesh.axis_names) != 1:
         raise ValueError(
-            f"only 1-D meshes are supported for now, got axes {mesh.axis_names}"
+            f"check_mesh handles 1-D meshes only, got axes {mesh.axis_names}; for a 2-D mesh "
+            "use qsdp_jax.hierarchy.mesh_sizes(mesh, config), which checks it against "
+            "QSDPConfig.node_axis / replica_axis"
         )
     return mesh.shape[axis_name]
 

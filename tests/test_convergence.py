@@ -3,6 +3,7 @@ chunks, and one real (tiny) end-to-end resume through the trainer."""
 
 import importlib.util
 import json
+import os
 
 import pytest
 from convergence_records import write_fake
@@ -55,7 +56,7 @@ def test_an_interrupted_write_leaves_no_record(tmp_path, monkeypatch):
     def fail(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runbook.os, "replace", fail)
+    monkeypatch.setattr(os, "replace", fail)  # the rename of the atomic write
     with pytest.raises(KeyboardInterrupt):
         write_fake(tmp_path, "kjv", "bf16", 0, 2.0, 100)
     assert list((tmp_path / "kjv" / "bf16").iterdir()) == []

@@ -205,6 +205,28 @@ def test_auto_mode_traces_no_kernel_on_cpu(mesh):
     assert "pallas_call" in jaxpr("pallas")
 
 
+@pytest.mark.parametrize("axes,level", [({"node": 2, "local": 4}, "node_axis"),
+                                        ({"replica": 2, "fsdp": 4}, "replica_axis")])
+def test_kernel_switch_reaches_the_two_level_collectives(axes, level):
+    """``QSDPConfig.kernels`` is honoured on 2-D meshes too: ``"pallas"`` puts kernels in every
+    stage's quantize/pack and unpack, ``"reference"`` none (traced only)."""
+    outer, inner = axes
+    mesh = q.make_mesh(axes)
+
+    def jaxpr(mode):
+        cfg = q.QSDPConfig.qsdp(8, 8, inter_grad_bits=4, kernels=mode, axis_name=inner,
+                                **{level: outer}, **CFG)
+        opt = optim.qsdp(optax.adam(1e-2), cfg)
+        state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
+        step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
+        return str(step.trace(state, toymodel.batch(0)).jaxpr)
+
+    assert "pallas_call" not in jaxpr("reference")
+    got = jaxpr("pallas")
+    for name in ("quantize_pack_grid", "quantize_pack_stochastic", "unpack_dequantize"):
+        assert f"qsdp_{name}" in got, name
+
+
 @pytest.mark.parametrize("script", ["gpu_scripts/device_check.sh", "tpu_scripts/device_check.sh"])
 def test_device_check_scripts_parse_and_dry_run(script, tmp_path):
     path = os.path.join(ROOT, script)

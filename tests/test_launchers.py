@@ -10,6 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p for d in ("gpu_scripts", "tpu_scripts") for p in (REPO / d).glob("*.sh"))
+LIB = REPO / "scripts_lib.sh"  # sourced by the launchers: show, gpu_overlap_env, device_check_main
 ACTIONS = ("srun", "sbatch", "gcloud", "python", "python3", "pip", "docker", "git")
 
 
@@ -65,9 +66,11 @@ def test_script_parses_and_has_a_usage_header(script):
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
-@pytest.mark.parametrize("script", SCRIPTS, ids=_ids(SCRIPTS))
+@pytest.mark.parametrize("script", SCRIPTS + [LIB], ids=_ids(SCRIPTS + [LIB]))
 def test_shellcheck(script):
-    r = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True, text=True)
+    # -x -P SCRIPTDIR/..: follow the scripts_lib.sh they source (its own warnings: the LIB case)
+    r = subprocess.run(["shellcheck", "-x", "-P", "SCRIPTDIR/..", "-S", "warning", str(script)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

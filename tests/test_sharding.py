@@ -36,7 +36,7 @@ def test_mesh_errors():
     with pytest.raises(ValueError, match=r"no axis 'fsdp'.*\('data',\)"):
         check_mesh(mesh, "fsdp")
     two_d = Mesh(np.array(jax.devices()).reshape(2, 4), ("node", "fsdp"))
-    with pytest.raises(ValueError, match="1-D"):
+    with pytest.raises(ValueError, match=r"1-D meshes only.*hierarchy\.mesh_sizes"):
         check_mesh(two_d, "fsdp")
     with pytest.raises(TypeError):
         check_mesh("fsdp", "fsdp")

@@ -12,38 +12,9 @@
 # to OUT_DIR and prints one summary table last. Exit status: the first failing step's.
 # PYTHON=/path/to/python picks the interpreter (default: python on PATH).
 set -euo pipefail
+# shellcheck source=scripts_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts_lib.sh"  # device_check_main
 
-usage() { echo "usage: $0 [--dry-run] OUT_DIR" >&2; exit 2; }
-DRY=0
-OUT=""
-for arg in "$@"; do
-  case "$arg" in
-    --dry-run) DRY=1 ;;
-    -h|--help) usage ;;
-    -*) echo "unknown option: $arg" >&2; usage ;;
-    *) [[ -z "$OUT" ]] || usage; OUT="$arg" ;;
-  esac
-done
-[[ -n "$OUT" ]] || usage
-case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac  # absolute: the script runs from the repo root
-cd "$(dirname "${BASH_SOURCE[0]}")/.."  # the repository root
-PY="${PYTHON:-python}"
 # the TPU first, the host CPU for the CPU reference; the tests' conftest keeps this value
 export JAX_PLATFORMS="tpu,cpu"
-
-run() {
-  echo "+ $*"
-  if [[ "$DRY" == 0 ]]; then "$@"; fi
-}
-
-STATUS=0
-step() { run "$@" || { rc=$?; echo "step failed ($rc): $*" >&2; [[ "$STATUS" != 0 ]] || STATUS=$rc; }; }
-
-run mkdir -p "$OUT"
-step "$PY" -c "import jax; d = jax.devices()[0]; assert d.platform == 'tpu', d; print(d.device_kind)"
-step timeout 75 "$PY" -m pytest -q -m tpu tests/test_kernels.py --junitxml "$OUT/tpu_tests.xml"
-step timeout 150 "$PY" -m experiments.device_check kernels --out "$OUT"
-step timeout 60 "$PY" -m experiments.bench_kernels --elements 33554432 --modes auto reference --repeats 20 --out "$OUT"
-step timeout 60 "$PY" -m experiments.device_check step --out "$OUT"
-run "$PY" -m experiments.device_check table "$OUT"
-exit "$STATUS"
+device_check_main tpu "$0" "$@"

@@ -21,17 +21,8 @@
 # run the same command at the same time, which `--worker=all` does.
 set -euo pipefail
 
-# Print a command as it would be typed (quoted only where needed).
-show() {
-  local a out=()
-  for a in "$@"; do
-    if [[ "$a" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then out+=("$a")
-    elif [[ "$a" != *"'"* && "$a" =~ ^(--[a-z-]+=|[A-Za-z_][A-Za-z0-9_]*=)(.*)$ ]]; then out+=("${BASH_REMATCH[1]}'${BASH_REMATCH[2]}'")
-    elif [[ "$a" != *"'"* ]]; then out+=("'$a'")
-    else out+=("$(printf '%q' "$a")"); fi
-  done
-  echo "${out[*]}"
-}
+# shellcheck source=scripts_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts_lib.sh"  # show
 
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
