@@ -18,6 +18,7 @@ WEIGHT_ROUNDINGS = ("shift", "stochastic")
 GRAD_ROUNDINGS = ("stochastic", "nearest")
 FP_COMM_DTYPES = ("float32", "bfloat16")
 KERNEL_MODES = ("auto", "pallas", "reference", "interpret")
+STATS_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,8 @@ class QSDPConfig:
     inter_weight_bits: int | None = None
     inter_grad_bits: int | None = None
     kernels: str = "auto"
+    grad_rotation: int | None = None
+    stats_dtype: str = "float32"
 
     def __post_init__(self):
         _check_bits("weight_bits", self.weight_bits)
@@ -127,6 +130,31 @@ class QSDPConfig:
                 "levels leave none (weight_rounding='stochastic' or weight_mode='comm' accept 1)",
             )
         self._check_levels()
+        self._check_levers()
+
+    def _check_levers(self):
+        """Validate ``grad_rotation`` and ``stats_dtype``."""
+        r = self.grad_rotation
+        if r is not None:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 2 or r & (r - 1):
+                _fail("grad_rotation", r, "None or a power of 2 >= 2 (a Hadamard block size)")
+            if self.bucket_size % r:
+                _fail("grad_rotation", r, f"a block size dividing bucket_size={self.bucket_size}")
+            if self.grad_bits is None:
+                _fail("grad_rotation", r, "None when grad_bits=None (only quantized gradients are rotated)")
+            if self.outer_axis is not None:
+                _fail("grad_rotation", r, "None on a two-level mesh (node_axis / replica_axis): "
+                      "the rotated reduce-scatter is implemented for 1-D meshes only")
+        _check_choice("stats_dtype", self.stats_dtype, STATS_DTYPES)
+        if self.stats_dtype != "float32":
+            if self.weight_mode == "qsdp" and self.weight_rounding == "shift":
+                _fail("stats_dtype", self.stats_dtype,
+                      "'float32' with weight_mode='qsdp' and weight_rounding='shift': the shifted "
+                      "grid's offset is a random fraction of a step, which bf16 cannot hold without "
+                      "biasing the projection (use weight_rounding='stochastic')")
+            if self.outer_axis is not None:
+                _fail("stats_dtype", self.stats_dtype, "'float32' on a two-level mesh (node_axis / "
+                      "replica_axis): compact statistics are implemented for 1-D meshes only")
 
     def _check_levels(self):
         """Validate the two-level fields (mesh axes and per-level bits)."""
@@ -262,7 +290,12 @@ class QSDPConfig:
         mode = self.weight_mode
         if mode == "qsdp" and self.weight_rounding == "stochastic":
             mode = "qsdp-sr"
-        return f"{mode}-{w}{g}{self._level_suffix()}"
+        return f"{mode}-{w}{g}{self._level_suffix()}{self._lever_suffix()}"
+
+    def _lever_suffix(self) -> str:
+        """``-rot64`` / ``-bf16stats`` when those switches are on (empty when off)."""
+        out = f"-rot{self.grad_rotation}" if self.grad_rotation is not None else ""
+        return out + ("-bf16stats" if self.stats_dtype == "bfloat16" else "")
 
     def _level_suffix(self) -> str:
         """``-xW4`` / ``-xG4`` when the outer level's bits differ (``x``: across nodes)."""

@@ -160,14 +160,17 @@ def _project_leaf(x, geo, config, key, ctx):
     ids = _bucket_ids(geo, config.bucket_size, ctx)
     bits, bucket, rounding = config.weight_bits, config.bucket_size, config.weight_rounding
 
+    sd = config.stats_dtype  # bf16 grids come from the reference (the kernel writes float32 stats)
+    kernels = config.kernels if sd == "float32" else "reference"
+
     def reference(r, k, i):
-        qt = qz.quantize(r, bits, bucket, rounding, k, bucket_ids=i)
+        qt = qz.quantize(r, bits, bucket, rounding, k, bucket_ids=i, stats_dtype=sd)
         return qt.dequantize(), qt.scales, qt.offsets
 
     def kernel(r, k, i, target):
         return qk.project(r, bits, bucket, rounding, k, bucket_ids=i, target=target)
 
-    values, scales, offsets = qk.select(config.kernels, reference, kernel, rows, key, ids, bucket=bucket)
+    values, scales, offsets = qk.select(kernels, reference, kernel, rows, key, ids, bucket=bucket)
     return _from_rows(values, x, geo), scales, offsets
 
 
