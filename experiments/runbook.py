@@ -79,6 +79,18 @@ CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
     _spec("qsdp-sr-W3G3", "frontier", "", weight_bits=3, grad_bits=3, **_SR),
     _spec("comm-W4G2", "frontier", "", weight_mode="comm", weight_bits=4, grad_bits=2),
     _spec("comm-W3G3", "frontier", "", weight_mode="comm", weight_bits=3, grad_bits=3),
+    # grad_rotation (blockwise randomized Hadamard before the gradient quantizer) and
+    # stats_dtype="bfloat16" (4 bytes of stats per bucket instead of 8)
+    _spec("qsdp-sr-W4G4-rot64", "frontier", "Hadamard rotation of gradient chunks, blocks of 64",
+          weight_bits=4, grad_bits=4, grad_rotation=64, **_SR),
+    _spec("qsdp-sr-W4G3-rot64", "frontier", "", weight_bits=4, grad_bits=3, grad_rotation=64, **_SR),
+    _spec("qsdp-sr-W3G3-rot64", "frontier", "", weight_bits=3, grad_bits=3, grad_rotation=64, **_SR),
+    _spec("qsdp-sr-W4G4-b256-bf16stats", "frontier", "bf16 scale/offset, 256-element buckets",
+          weight_bits=4, grad_bits=4, bucket_size=256, stats_dtype="bfloat16", **_SR),
+    _spec("qsdp-sr-W3G3-b256-bf16stats-rot64", "frontier", "both levers, 256-element buckets",
+          weight_bits=3, grad_bits=3, bucket_size=256, stats_dtype="bfloat16", grad_rotation=64, **_SR),
+    _spec("comm-W4G2-rot64", "frontier", "2-bit gradients with the rotation",
+          weight_mode="comm", weight_bits=4, grad_bits=2, grad_rotation=64),
 ]}
 
 

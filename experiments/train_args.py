@@ -104,6 +104,12 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
                     help="how qsdp mode puts updated weights on a grid (default: shift)")
     qz.add_argument("--comm-dtype", choices=("float32", "bfloat16"), default=None,
                     help="dtype of the unquantized collectives (default: float32)")
+    qz.add_argument("--grad-rotation", type=_positive, default=None, metavar="BLOCK",
+                    help="rotate gradient chunks blockwise by a randomized Hadamard transform before "
+                    "quantizing (a power of 2 dividing --bucket-size; default: off)")
+    qz.add_argument("--stats-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype of the per-bucket scale and offset on the wire (default: float32; "
+                    "bfloat16 halves their bytes, needs --weight-rounding stochastic in qsdp mode)")
     base = qz.add_mutually_exclusive_group()
     base.add_argument("--fp32", action="store_true",
                       help="the fp32 FSDP baseline (weight/grad bits none, mode full, fp32 comm)")
@@ -146,6 +152,17 @@ def _add_output_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
+
+
+def _lever_kwargs(args: argparse.Namespace) -> dict:
+    """``grad_rotation`` / ``stats_dtype`` when their flags are given (absent when off, so the
+    kwargs of every other run stay what they were)."""
+    out = {}
+    if getattr(args, "grad_rotation", None) is not None:
+        out["grad_rotation"] = args.grad_rotation
+    if getattr(args, "stats_dtype", "float32") != "float32":
+        out["stats_dtype"] = args.stats_dtype
+    return out
 
 
 def qsdp_kwargs(args: argparse.Namespace) -> dict:
@@ -198,6 +215,7 @@ def qsdp_kwargs(args: argparse.Namespace) -> dict:
         weight_mode=mode,
         weight_rounding=args.weight_rounding,
         fp_comm_dtype=dtype or "float32",
+        **_lever_kwargs(args),
         seed=args.seed,
     )
 
