@@ -1,5 +1,6 @@
 """QSDPConfig.grad_rotation: blockwise randomized Hadamard rotation of gradient chunks."""
 
+import functools
 import hashlib
 
 import jax
@@ -114,12 +115,17 @@ def _opt(config):
     return optim.qsdp(optax.chain(optim.clip_by_global_norm(1.0), optax.adam(1e-2)), config)
 
 
-def _train(config, steps, state=None, start=0):
+@functools.lru_cache(maxsize=None)
+def _stepper(config):
     mesh = q.make_mesh()
     opt = _opt(config)
+    return mesh, opt, q.make_train_step(toymodel.loss, opt, mesh, config, donate=False)
+
+
+def _train(config, steps, state=None, start=0):
+    mesh, opt, step = _stepper(config)
     if state is None:
         state = q.init_train_state(toymodel.init(0), opt, mesh, config, stacked=toymodel.STACKED)
-    step = q.make_train_step(toymodel.loss, opt, mesh, config, donate=False)
     losses = []
     for i in range(start, start + steps):
         state, m = step(state, toymodel.batch(i))
