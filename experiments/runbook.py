@@ -91,6 +91,8 @@ CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
           weight_bits=3, grad_bits=3, bucket_size=256, stats_dtype="bfloat16", grad_rotation=64, **_SR),
     _spec("comm-W4G2-rot64", "frontier", "2-bit gradients with the rotation",
           weight_mode="comm", weight_bits=4, grad_bits=2, grad_rotation=64),
+    _spec("qsdp-sr-W3G2-rot64", "frontier", "under 3 wire bits: 2-bit rotated gradients",
+          weight_bits=3, grad_bits=2, grad_rotation=64, **_SR),
 ]}
 
 
