@@ -12,11 +12,11 @@ the signs are a function of (step key, buffer, destination chunk, position), nev
 sender (:func:`chunk_signs`). Stochastic rounding in the rotated domain is unbiased, and so is
 its exact linear inverse.
 
-``H x`` is computed by :func:`fwht`: a dense ``(n / block, block) @ H`` matmul (``O(n block)``)
-for blocks up to 256, two (a Kronecker factorization) above; :func:`fwht_butterfly` is the
-``O(n log block)`` alternative (``log2(block)`` stages of reshapes and adds). Measured on CPU (``experiments/bench_rotation.py``): the
-matmul runs faster up to block 256 and compiles in a fraction of the time; the butterfly inside
-a train step's scanned backward compiled for minutes on XLA:CPU.
+``H x`` is computed by :func:`fwht` as small dense Hadamard matrices applied along the axes of
+a Kronecker factorization of the block; :func:`fwht_butterfly` is the textbook alternative
+(``log2(block)`` stages of reshapes and adds). Measured on CPU (``experiments/bench_rotation.py``):
+the butterfly inside a train step's scanned backward compiled for minutes on XLA:CPU, and one
+dense ``(n / block, block) @ H`` matmul costs ``block`` multiply-adds per element.
 """
 
 from __future__ import annotations
@@ -49,27 +49,39 @@ def hadamard_matrix(block: int) -> np.ndarray:
     return (h / math.sqrt(block)).astype(np.float32)
 
 
-DENSE_MAX_BLOCK = 256  # measured on CPU: the dense matmul is faster up to here (README)
+FACTOR_MAX = 16  # Hadamard factors of at most 16: ~sum(factors) multiply-adds per element
+
+
+def kron_factors(block: int) -> tuple[int, ...]:
+    """``block`` as a product of powers of 2 of at most :data:`FACTOR_MAX`, as even as possible
+    (64 -> (8, 8), 256 -> (16, 16), 1024 -> (16, 8, 8))."""
+    k = block.bit_length() - 1
+    parts = -(-k // (FACTOR_MAX.bit_length() - 1))
+    sizes = [k // parts + (1 if i < k % parts else 0) for i in range(parts)]
+    return tuple(1 << e for e in sizes)
 
 
 def fwht(x: jax.Array, block: int) -> jax.Array:
     """Orthonormal Walsh-Hadamard transform of every block of ``block`` elements of the last
     axis of ``x`` (float32): ``H x`` per block, ``H`` as :func:`hadamard_matrix`. Its own inverse
-    (to float32 rounding). A dense ``(.., block) @ H`` matmul (full float32 precision) for
-    blocks up to :data:`DENSE_MAX_BLOCK`; above, two such matmuls (``H`` is a Kronecker product
-    of two smaller Hadamard matrices). :func:`fwht_butterfly` is the O(n log block) alternative."""
+    (to float32 rounding).
+
+    Sylvester's ``H`` is a Kronecker product, ``H_(a b) = H_a (x) H_b`` with index ``i = i_a b +
+    i_b``: the block is viewed as a small tensor (:func:`kron_factors`) and each axis is
+    multiplied by its small dense Hadamard matrix (full float32 precision), about
+    ``sum(factors)`` multiply-adds per element (16 for block 64, against 64 for one dense
+    matmul and the log2(block) memory passes of :func:`fwht_butterfly`). Measured on CPU: see
+    README, *Gradient rotation and compact statistics*."""
     check_block(block, x.shape[-1])
     hi = jax.lax.Precision.HIGHEST  # TPU/GPU would otherwise multiply float32 in bf16 / TF32
-    if block <= DENSE_MAX_BLOCK:
-        rows = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, block)
-        return jnp.matmul(rows, jnp.asarray(hadamard_matrix(block)), precision=hi).reshape(x.shape)
-    # Sylvester: H_(b1 b2) = H_b1 (x) H_b2 (Kronecker), index i = i1 * b2 + i2; H is symmetric
-    b2 = DENSE_MAX_BLOCK
-    b1 = block // b2
-    rows = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, b1, b2)
-    rows = jnp.matmul(rows, jnp.asarray(hadamard_matrix(b2)), precision=hi)
-    rows = jnp.einsum("...ij,ik->...kj", rows, jnp.asarray(hadamard_matrix(b1)), precision=hi)
-    return rows.reshape(x.shape)
+    factors = kron_factors(block)
+    lead = x.shape[:-1]
+    t = x.astype(jnp.float32).reshape(*lead, -1, *factors)
+    k = len(factors)
+    for a, f in enumerate(factors):  # contract axis a of the block with H_f (symmetric)
+        t = jnp.moveaxis(jnp.tensordot(t, jnp.asarray(hadamard_matrix(f)), axes=([t.ndim - k + a], [0]),
+                                       precision=hi), -1, t.ndim - k + a)
+    return t.reshape(x.shape)
 
 
 def fwht_butterfly(x: jax.Array, block: int) -> jax.Array:
