@@ -176,3 +176,16 @@ def test_rotated_training_resumes_bit_exact_and_differs_from_unrotated(tmp_path)
     assert first + second == losses and all(np.isfinite(losses))
     assert _digest((resumed.params, resumed.opt_state)) == _digest((straight.params, straight.opt_state))
     assert losses[1:] != MAIN["W4G4sr"][0][1:]  # the switch is really on
+
+
+def test_trainer_flags_set_both_switches_and_stay_absent_when_off():
+    from experiments import train_args
+
+    on = train_args.qsdp_kwargs(train_args.parse_args(
+        ["--grad-rotation", "64", "--stats-dtype", "bfloat16", "--weight-rounding", "stochastic"]))
+    cfg = q.QSDPConfig(**on)
+    assert (cfg.grad_rotation, cfg.stats_dtype) == (64, "bfloat16")
+    off = train_args.qsdp_kwargs(train_args.parse_args([]))
+    assert "grad_rotation" not in off and "stats_dtype" not in off
+    with pytest.raises(ValueError, match="QSDPConfig.grad_rotation=48"):
+        q.QSDPConfig(**train_args.qsdp_kwargs(train_args.parse_args(["--grad-rotation", "48"])))
