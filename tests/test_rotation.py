@@ -189,3 +189,19 @@ def test_trainer_flags_set_both_switches_and_stay_absent_when_off():
     assert "grad_rotation" not in off and "stats_dtype" not in off
     with pytest.raises(ValueError, match="QSDPConfig.grad_rotation=48"):
         q.QSDPConfig(**train_args.qsdp_kwargs(train_args.parse_args(["--grad-rotation", "48"])))
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"], ids=["to-TPU", "to-CUDA"])  # no "tpu" marker
+def test_both_switches_export_for_gpu_and_tpu(platform):
+    """``jax.export`` lowers the step with both switches for hardware we do not have; the
+    Hadamard products ask for full float32 precision."""
+    cfg = q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", grad_rotation=64, stats_dtype="bfloat16",
+                            **SMALL)
+    mesh = q.make_mesh()
+    opt = optim.qsdp(optax.adam(1e-2), cfg)
+    state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
+    step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), toymodel.batch(0))
+    module = jax.export.export(step, platforms=[platform])(state, batch).mlir_module()
+    assert '"stablehlo.all_to_all"' in module and "ui8>" in module
+    assert "precision = [HIGHEST, HIGHEST]" in module
