@@ -52,6 +52,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from qsdp_jax import policy
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.sharding import FlatLayout
 
@@ -190,21 +191,11 @@ def describe_layout(layout: FlatLayout) -> dict:
                 "num_leaves": g.num_leaves,
                 "slots": [[s.index, list(s.shape), s.dtype, s.offset, s.size] for s in g.slots],
                 "replicated": list(g.replicated),
-                **_describe_policy_buffers(g),
+                **policy.describe_buffers(g),
             }
             for g in layout.groups
         },
     }
-
-
-def _describe_policy_buffers(g) -> dict:
-    """A bit policy's buffers of a group (nothing without one: older records stay comparable)."""
-    if not g.policy_buffers:
-        return {}
-    return {"policy_buffers": {
-        b.key: {"bits": list(b.bits), "slots": [[s.index, s.offset, s.size] for s in b.slots]}
-        for b in g.policy_buffers
-    }}
 
 
 def _config_record(config: QSDPConfig) -> dict:

@@ -152,3 +152,14 @@ def bits_table(layout, config=None) -> str:
             for s in b.slots:
                 rows.append(f"{paths[s.index]:<40}{b.key:<22}{w:>8}{gr:>8}{s.size:>11}")
     return "\n".join(rows)
+
+
+def describe_buffers(group) -> dict:
+    """A group's policy buffers as a checkpoint records them (``{}`` without: the records of
+    policy-less layouts stay what they were)."""
+    if not group.policy_buffers:
+        return {}
+    return {"policy_buffers": {
+        b.key: {"bits": list(b.bits), "slots": [[s.index, s.offset, s.size] for s in b.slots]}
+        for b in group.policy_buffers
+    }}

@@ -293,3 +293,25 @@ def test_nnx_front_door_trains_with_a_policy(mesh):
     qnnx.update(model, state)
     np.testing.assert_array_equal(np.asarray(model.embed.embedding[...]).ravel(),
                                   np.asarray(sharded["embed@W8G8"])[:1024])
+
+
+def test_two_level_mesh_with_a_policy():
+    """On a (node, local) mesh a policy buffer's gather is lossless on all 8 devices (its bits on
+    both levels) and the step lowers for TPU with packed collectives."""
+    hmesh = q.make_mesh({"node": 2, "local": 4})
+    cfg = q.QSDPConfig.qsdp(4, 4, inter_grad_bits=2, axis_name="local", node_axis="node",
+                            bit_policy=POLICY, **SR, **SMALL)
+    opt = optim.qsdp(optax.adam(1e-2), cfg)
+    state = q.init_train_state(toymodel.init(0), opt, hmesh, cfg, stacked=toymodel.STACKED)
+    step = q.make_train_step(toymodel.loss_with_weights, opt, hmesh, cfg, has_aux=True, donate=False)
+    for i in range(2):
+        held = q.gather_params(state)
+        state, _, aux = step(state, toymodel.batch(i))
+        for dev in range(N):
+            for name in ("embed", "head", "blocks"):
+                np.testing.assert_array_equal(np.asarray(aux[name][dev]).view(np.uint32),
+                                              np.asarray(held[name]["w"]).view(np.uint32))
+    abstract = q.abstract_train_state(toymodel.init(0), opt, hmesh, cfg, stacked=toymodel.STACKED)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), toymodel.batch(0))
+    module = jax.export.export(step, platforms=["tpu"])(abstract, batch).mlir_module()
+    assert "ui8>" in module
