@@ -75,6 +75,24 @@ def test_no_policy_layout_is_unchanged_and_restating_rules_change_nothing():
     assert set(plain.flatten(params)["sharded"]) == {"blocks", "embed", "head"}
 
 
+def test_restating_rules_train_bit_identically_to_no_policy(mesh):
+    """A policy whose rules restate the global bits runs the policy code path (per-leaf bits in
+    the optimizer) and gives bit-identical losses and weights to the policy-less config."""
+    plain = q.QSDPConfig.qsdp(4, 4, **SR, **SMALL)
+    restated = dataclasses.replace(plain, bit_policy=(("embed*", 4, 4), ("*", 4, 4)))
+    runs = []
+    for cfg in (plain, restated):
+        state, step, _ = _setup(mesh, cfg)
+        losses = []
+        for i in range(2):
+            state, m = step(state, toymodel.batch(i))
+            losses.append(float(m["loss"]))
+        runs.append((losses, jax.tree.leaves(state.params)))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_policy_splits_groups_into_buffers_and_round_trips():
     params = toymodel.init(0)
     lay = FlatLayout.create(params, N, BUCKET, 128, toymodel.STACKED, POLICY, (4, 4))
