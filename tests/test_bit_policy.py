@@ -221,6 +221,11 @@ def test_resume_is_bit_exact_with_a_policy(mesh, tmp_path):
                                          stacked=toymodel.STACKED)
         with pytest.raises(CheckpointMismatch, match=r"config\.bit_policy"):
             ckpt.restore(other_state, other, mesh)
+        mesh4 = q.make_mesh(devices=jax.devices()[:4])  # and resharded onto 4 devices
+        on4, _ = ckpt.restore(q.init_train_state(toymodel.init(1), opt, mesh4, cfg, stacked=toymodel.STACKED),
+                              cfg, mesh4)
+    for a, b in zip(jax.tree.leaves(q.gather_params(on4)), jax.tree.leaves(q.gather_params(half)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     resumed = restored
     for i in (2, 3):
         resumed, m = step(resumed, toymodel.batch(i))
