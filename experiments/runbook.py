@@ -21,7 +21,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from experiments.data import _write_atomically  # temp file + fsync + rename
+from experiments.run_files import write_atomic  # temp file + fsync + rename
 
 __all__ = [
     "CONFIGS", "DEFAULT_SEEDS", "GROUPS", "REFERENCE", "ConfigSpec", "Plan", "RunKey", "Settings",
@@ -179,7 +179,7 @@ def write_record(root: Path, key: RunKey, record: dict) -> Path:
     """Write ``record`` at ``key.path(root)`` atomically (temp file in the same folder, fsync,
     rename): an interrupted run leaves no record, so it is simply run again."""
     path = key.path(root)
-    _write_atomically(path, json.dumps(record, indent=1) + "\n")
+    write_atomic(path, json.dumps(record, indent=1) + "\n")
     return path
 
 

@@ -383,13 +383,21 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+_SAME_RESULT_FIELDS = ("kernels",)
+"""Config fields that choose how, not what: every ``kernels`` mode computes the same bits, so the
+optimizer and the step may differ in them (e.g. a reference optimizer with a Pallas step)."""
+
+
 def check_same_config(opt_state: PyTree, config: QSDPConfig) -> None:
     """A clear error when ``opt_state`` was made by ``qsdp(base, other)`` with ``other !=
-    config`` (naming the first differing field), or holds more than one QSDPState."""
+    config`` (naming the first differing field; fields in ``_SAME_RESULT_FIELDS`` may differ), or
+    holds more than one QSDPState."""
     st = find_qsdp_state(opt_state)
     if st is None or st.config is None or st.config == config:
         return
     for f in dataclasses.fields(QSDPConfig):
+        if f.name in _SAME_RESULT_FIELDS:
+            continue
         a, b = getattr(st.config, f.name), getattr(config, f.name)
         if a != b:
             raise ValueError(
