@@ -33,6 +33,29 @@ def _bits(text: str):
     return v
 
 
+def _bit_policy(text: str) -> tuple:
+    """``--bit-policy 'embed*=8,8;blocks/*/kernel=4,none'``: ``;``-separated rules
+    ``PATTERN=WEIGHT_BITS,GRAD_BITS`` (bits 1..8 or none) -> ``QSDPConfig.bit_policy``."""
+    rules = []
+    for i, part in enumerate(p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        pattern, eq, bits = part.rpartition("=")
+        values = [b.strip() for b in bits.split(",")]
+        if not eq or not pattern.strip() or len(values) != 2:
+            raise argparse.ArgumentTypeError(
+                f"rule {i + 1} {part!r}: expected PATTERN=WEIGHT_BITS,GRAD_BITS (bits 1..8 or none), "
+                "rules separated by ';', e.g. 'embed*=8,8;head*=8,none'")
+        try:
+            w, g = (None if _bits(v) == "none" else _bits(v) for v in values)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"rule {i + 1} {part!r}: {e}") from None
+        rules.append((pattern.strip(), w, g))
+    if not rules:
+        raise argparse.ArgumentTypeError(f"no rule in {text!r}: expected e.g. 'embed*=8,8'")
+    return tuple(rules)
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -110,6 +133,10 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
     qz.add_argument("--stats-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype of the per-bucket scale and offset on the wire (default: float32; "
                     "bfloat16 halves their bytes, needs --weight-rounding stochastic in qsdp mode)")
+    qz.add_argument("--bit-policy", type=_bit_policy, default=(), metavar="'PAT=W,G;...'",
+                    help="per-leaf bits by parameter path, first match wins: e.g. "
+                    "'embed*=8,8' keeps the embeddings at 8-bit weights and gradients (bits 1..8 "
+                    "or none; patterns are fnmatch on 'group/key/...' paths, see qsdp_jax.policy)")
     base = qz.add_mutually_exclusive_group()
     base.add_argument("--fp32", action="store_true",
                       help="the fp32 FSDP baseline (weight/grad bits none, mode full, fp32 comm)")
@@ -217,6 +244,7 @@ def qsdp_kwargs(args: argparse.Namespace) -> dict:
         fp_comm_dtype=dtype or "float32",
         **_lever_kwargs(args),
         seed=args.seed,
+        bit_policy=getattr(args, "bit_policy", ()),
     )
 
 
