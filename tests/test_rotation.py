@@ -205,3 +205,13 @@ def test_both_switches_export_for_gpu_and_tpu(platform):
     module = jax.export.export(step, platforms=[platform])(state, batch).mlir_module()
     assert '"stablehlo.all_to_all"' in module and "ui8>" in module
     assert "precision = [HIGHEST, HIGHEST]" in module
+
+
+def test_bit_policy_buffers_keep_the_switches_and_drop_rotation_for_fp_gradients():
+    cfg = q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", grad_rotation=16, stats_dtype="bfloat16",
+                            bit_policy=(("embed/*", 8, 8), ("head/*", 8, None)), **SMALL)
+    assert cfg.buffer_config(8, 8).grad_rotation == 16
+    assert cfg.buffer_config(8, 8).stats_dtype == "bfloat16"
+    assert cfg.buffer_config(8, None).grad_rotation is None
+    _, state, losses = _train(cfg, 2)  # the policy's buffers train with both switches
+    assert all(np.isfinite(losses)) and losses[1] < losses[0]
