@@ -123,8 +123,9 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
     qz.add_argument("--weight-mode", choices=("qsdp", "comm", "full"), default=None,
                     help="qsdp: weights kept on a shifted grid (default); comm: quantized only "
                     "for the all-gather (ZeRO++-style); full: full-precision gather")
-    qz.add_argument("--weight-rounding", choices=("shift", "stochastic"), default="shift",
-                    help="how qsdp mode puts updated weights on a grid (default: shift)")
+    qz.add_argument("--weight-rounding", choices=("shift", "stochastic"), default=None,
+                    help="how qsdp mode puts updated weights on a grid: stochastic rounding "
+                    "(the default) or the paper's random shift")
     qz.add_argument("--comm-dtype", choices=("float32", "bfloat16"), default=None,
                     help="dtype of the unquantized collectives (default: float32)")
     qz.add_argument("--grad-rotation", type=_positive, default=None, metavar="BLOCK",
@@ -240,11 +241,11 @@ def qsdp_kwargs(args: argparse.Namespace) -> dict:
         bucket_size=args.bucket_size,
         min_shard_size=args.min_shard_size,
         weight_mode=mode,
-        weight_rounding=args.weight_rounding,
         fp_comm_dtype=dtype or "float32",
         **_lever_kwargs(args),
         seed=args.seed,
         bit_policy=getattr(args, "bit_policy", ()),
+        **({} if args.weight_rounding is None else {"weight_rounding": args.weight_rounding}),
     )
 
 

@@ -37,11 +37,12 @@ class QSDPConfig:
         all-gather, as in ZeRO++; the baseline QSDP has to beat.
         ``"full"``: weights gathered in ``fp_comm_dtype``; requires ``weight_bits=None``.
       weight_rounding: how ``"qsdp"`` mode projects updated weights onto a fresh grid:
-        ``"shift"`` (the paper's method, the default): round to nearest on a grid shifted by a
-        random fraction of a step per bucket; ``"stochastic"``: unbiased stochastic rounding on
-        the bucket's min/max grid. Both keep the weights on a grid (lossless all-gather) and are
-        unbiased; the shift's noise does not shrink with the update, stochastic rounding's does
-        (see README, "Choosing bits").
+        ``"stochastic"`` (the default): unbiased stochastic rounding on the bucket's min/max
+        grid; ``"shift"`` (the paper's method): round to nearest on a grid shifted by a random
+        fraction of a step per bucket. Both keep the weights on a grid (lossless all-gather) and
+        are unbiased, but the shift's noise does not shrink with the update while stochastic
+        rounding's does: at 4 bits the shift ruins training (README, "Choosing bits", has the
+        measured cost), at 8 bits the two are alike.
       grad_rounding: ``"stochastic"`` (unbiased, the default) or ``"nearest"`` (biased).
       min_shard_size: leaves with fewer elements (per layer, for layer-stacked groups) stay
         full precision and replicated on every device: biases, norm scales.
@@ -89,7 +90,7 @@ class QSDPConfig:
     grad_bits: int | None = 8
     bucket_size: int = 1024
     weight_mode: WeightMode = "qsdp"
-    weight_rounding: str = "shift"
+    weight_rounding: str = "stochastic"
     grad_rounding: Rounding = "stochastic"
     min_shard_size: int = 4096
     seed: int = 0
@@ -272,13 +273,16 @@ class QSDPConfig:
 
     @classmethod
     def qsdp(cls, weight_bits: int = 8, grad_bits: int | None = 8, **kw) -> "QSDPConfig":
-        """QSDP: weights kept on a shifted grid, quantized gradients."""
+        """QSDP: weights kept on a quantization grid (stochastic rounding by default), quantized
+        gradients."""
         return cls(weight_bits=weight_bits, grad_bits=grad_bits, weight_mode="qsdp", **kw)
 
     @classmethod
     def from_name(cls, name: str, **kw) -> "QSDPConfig":
         """The config a :attr:`name` stands for: ``fp32``, ``bf16``, ``qsdp-W8G8``,
-        ``qsdp-sr-W4G4``, ``comm-W4GF32``, ``full-WF32G8``, or bare ``W8G8`` (QSDP)."""
+        ``qsdp-sr-W4G4``, ``comm-W4GF32``, ``full-WF32G8``, or bare ``W8G8`` (QSDP). A name
+        states the weight rounding: ``qsdp-`` and bare names are the paper's shift, ``qsdp-sr-``
+        stochastic rounding (the default of ``QSDPConfig``), so ``from_name(c.name) == c``."""
         if name == "fp32":
             return cls.fp32(**kw)
         if name == "bf16":
@@ -299,8 +303,8 @@ class QSDPConfig:
             grad_bits=int(g) if g.isdigit() else None,
             fp_comm_dtype="bfloat16" if fp == {"BF16"} else "float32",
         )
-        if mode == "qsdp-sr":
-            fields["weight_rounding"] = "stochastic"
+        if mode in ("qsdp", "qsdp-sr"):  # the name says the rounding: qsdp- is the paper's shift
+            fields["weight_rounding"] = "stochastic" if mode == "qsdp-sr" else "shift"
         return cls(**{**fields, **kw})
 
     @property

@@ -28,7 +28,7 @@ def _init(mesh, config, params=None, opt=None, **kw):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("seed", 1), ("weight_rounding", "stochastic"), ("weight_mode", "comm"), ("weight_bits", 4),
+    ("seed", 1), ("weight_rounding", "shift"), ("weight_mode", "comm"), ("weight_bits", 4),
     ("grad_bits", 4), ("bucket_size", 128),
 ])
 def test_optimizer_and_step_from_different_configs(mesh, field, value):
