@@ -58,7 +58,7 @@ def test_config_policy_is_hashable_and_named():
     cfg = q.QSDPConfig(**SMALL, **SR, weight_bits=4, grad_bits=4, bit_policy=[["embed*", 8, 8], ["h*", None, 4]])
     assert cfg.bit_policy == (("embed*", 8, 8), ("h*", None, 4)) and hash(cfg)
     assert cfg.name == "qsdp-sr-W4G4-pW8G8-pWFG4"
-    assert q.QSDPConfig(**SMALL).name == "qsdp-W8G8"  # no policy: the name of today
+    assert q.QSDPConfig(**SMALL).name == "qsdp-sr-W8G8"  # no policy: no suffix
     # comm mode: None weights are a full-precision buffer; full mode takes gradient rules
     assert q.QSDPConfig(weight_mode="comm", bit_policy=(("a*", None, 2),)).buffer_config(None, 2).weight_mode == "full"
     q.QSDPConfig.fp32(bit_policy=(("a*", None, 8),))

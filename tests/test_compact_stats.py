@@ -155,7 +155,7 @@ def test_hlo_bytes_equal_the_formula_and_shrink():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(stats_dtype="float16"), "one of 'float32', 'bfloat16'"),
-    (dict(stats_dtype=BF), "weight_rounding='shift'"),
+    (dict(stats_dtype=BF, weight_rounding="shift"), "weight_rounding='shift'"),
     (dict(stats_dtype=BF, weight_rounding="stochastic", node_axis="node", axis_name="local"), "two-level"),
 ])
 def test_config_refuses_bad_stats_dtype(kw, match):

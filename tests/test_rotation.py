@@ -149,7 +149,7 @@ MAIN = {
 }
 OFF = {
     "W4G4sr": q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", **SMALL),
-    "W8G8": q.QSDPConfig.qsdp(8, 8, **SMALL),
+    "W8G8": q.QSDPConfig.qsdp(8, 8, weight_rounding="shift", **SMALL),  # recorded when shift was the default
     "comm-W4G3": q.QSDPConfig(weight_bits=4, grad_bits=3, weight_mode="comm", **SMALL),
 }
 
