@@ -75,17 +75,15 @@ def passes(n: int, bits: int, bucket: int, mode: str):
                          v.reshape(CHUNKS, -1), bucket=bucket)
 
     def weight_qp(v, s, o):
-        return qk.select(mode, lambda a, s, o: qc.to_payload(qz.quantize_on_grid(a, s, o, bits, bucket)),
-                         lambda a, s, o, target: qc.payload_from_packed(qk.grid_pack(a, s, o, bits, bucket, target=target), s, o),
-                         v, s, o, bucket=bucket)
+        return qc.quantize_payload(v, bits=bits, bucket=bucket, grid=(s, o), kernels=mode)
 
     def unpack(p):
-        return qk.select(mode, lambda a: qc.from_payload(a, n, bits, bucket).dequantize(),
+        return qk.select(mode, lambda a: qc.dequantize_rows(a, n, bits, bucket),
                          lambda a, target: qk.unpack_dequantize(*qc.split_payload(a, n, bits, bucket), bits, bucket, n, target=target),
                          p, bucket=bucket)
 
     def unpack_sum(p):
-        return qk.select(mode, lambda a: qc.sum_rows(qc.from_payload(a, chunk, bits, bucket).dequantize()),
+        return qk.select(mode, lambda a: qc.dequantize_rows(a, chunk, bits, bucket, summed=True),
                          lambda a, target: qk.unpack_dequantize_sum(*qc.split_payload(a, chunk, bits, bucket), bits, bucket, chunk, target=target),
                          p, bucket=bucket)
 

@@ -249,7 +249,10 @@ def quantize(
         q = jnp.floor(unfused(t, u) + u)
     else:
         q = jnp.round(t)
-    q = jnp.clip(q, 0, top)
+    # Only the top needs a clip: x >= lo >= offset and inv >= 0 make t, hence q, >= 0 or NaN
+    # (NaN reaches the uint8 conversion either way), and a clip at 0 too cost ~10% of this
+    # pass on XLA:CPU. Same bits as jnp.clip(q, 0, top).
+    q = jnp.minimum(q, top)
     codes = q.astype(jnp.uint8).reshape(x.shape)
     return QTensor(codes=codes, scales=scales, offsets=offsets, bits=bits, bucket=bucket)
 

@@ -12,7 +12,9 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+import qsdp_jax as q
 from qsdp_jax import collectives as qc
 from qsdp_jax import quantizers as qz
 
@@ -182,3 +184,56 @@ def test_reference_outputs_are_bit_identical_to_main():
     changed = sorted(k for k in PINNED if got[k] != PINNED[k])
     assert not changed, (f"reference outputs changed for (bits/bucket/pass): {changed}; now:\n"
                          + "\n".join(f'    "{k}": "{v}",' for k, v in got.items()))
+
+
+def _collectives(full, *, bits, bucket):
+    """The quantized collectives as the train step calls them, inside shard_map on 8 devices:
+    the QSDP gather on a grid, the nearest-rounding gather, the stochastic reduce-scatter."""
+    mesh = q.make_mesh("fsdp")
+    nearest = qz.quantize(full, bits, bucket, "nearest")
+    grid = nearest.dequantize()
+
+    def body(w, s, o, x):
+        on_grid = qc.quantized_all_gather(w, bits=bits, bucket=bucket, axis_name="fsdp", grid=(s, o))
+        rounded = qc.quantized_all_gather(x, bits=bits, bucket=bucket, axis_name="fsdp")
+        mine = rounded - on_grid * (jax.lax.axis_index("fsdp") + 1.0)  # differs per device
+        summed = qc.quantized_reduce_scatter(mine, bits=bits, bucket=bucket, axis_name="fsdp",
+                                             key=qz.derive_key(5, bits))
+        return on_grid, rounded, summed
+
+    spec = P("fsdp")
+    f = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=(P(), P(), spec), check_vma=False)
+    return f(grid, nearest.scales, nearest.offsets, full)
+
+
+def collective_digests() -> dict[str, str]:
+    got = {}
+    for bucket, widths in ((64, range(1, 9)), (1024, (3, 4, 8))):  # 1024: each packing family
+        for bits in widths:
+            full = _data(bucket, seed=20 + bits).reshape(-1)  # 8 devices x 2 buckets each
+            outs = jax.jit(lambda v, b=bits, s=bucket: _collectives(v, bits=b, bucket=s))(full)
+            got[f"{bits}/{bucket}"] = _digest(outs)
+    return got
+
+
+PINNED_COLLECTIVES = {  # computed on main (59f32c3)
+    "1/64": "0981473bfda2144a",
+    "2/64": "d0c9484444610170",
+    "3/64": "d3962c748f31ec40",
+    "4/64": "18e814fc4996df00",
+    "5/64": "b75caf1f020a05bc",
+    "6/64": "0d77fe5d6dad6d0e",
+    "7/64": "25248ffa706077b6",
+    "8/64": "f2d1042745f6868f",
+    "3/1024": "804f8b0349db1f26",
+    "4/1024": "e6d1170f8d32529c",
+    "8/1024": "0b5ad4224dcd59be",
+}
+
+
+def test_collectives_outputs_are_bit_identical_to_main():
+    """Both quantized all-gathers and the reduce-scatter on 8 devices, boundaries included."""
+    got = collective_digests()
+    changed = sorted(k for k in PINNED_COLLECTIVES if got[k] != PINNED_COLLECTIVES[k])
+    assert set(got) == set(PINNED_COLLECTIVES) and not changed, (
+        f"collective outputs changed for (bits/bucket): {changed}; now: {got}")
