@@ -118,6 +118,7 @@ def measure(args) -> dict:
     from experiments.timing import time_alternating
 
     rows = []
+    load_before = os.getloadavg()  # the machine may be shared: say how busy it was
     for mode in args.modes:
         for bits in args.bits:
             fns, _ = passes(args.elements, bits, args.bucket, mode)
@@ -140,6 +141,7 @@ def measure(args) -> dict:
         "targets": {"gpu_vs_copy": TARGET_GPU_VS_COPY, "cpu_quantize_pack_time_vs_cast": TARGET_CPU_VS_CAST},
         "rows": rows,
         "median_of": args.repeats,
+        "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()},
         "numpy": np.__version__,
     }
 
