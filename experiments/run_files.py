@@ -18,19 +18,27 @@ import dataclasses
 import json
 import os
 import signal
+import tempfile
 import threading
 from pathlib import Path
 
 
 def write_atomic(path, data: str | bytes) -> None:
-    """Replace ``path`` with ``data`` atomically (temporary file in the same directory + rename)."""
+    """Replace ``path`` with ``data`` atomically: a temporary file in the same directory (created
+    with its parents), fsync, rename over it; on any failure the temporary file is removed and
+    ``path`` is untouched. ``str`` is written as UTF-8."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
 
 
 def is_process_0() -> bool:

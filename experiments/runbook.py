@@ -21,7 +21,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from experiments.data import _write_atomically  # temp file + fsync + rename
+from experiments.run_files import write_atomic  # temp file + fsync + rename
 
 __all__ = [
     "CONFIGS", "DEFAULT_SEEDS", "GROUPS", "REFERENCE", "ConfigSpec", "Plan", "RunKey", "Settings",
@@ -79,6 +79,25 @@ CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
     _spec("qsdp-sr-W3G3", "frontier", "", weight_bits=3, grad_bits=3, **_SR),
     _spec("comm-W4G2", "frontier", "", weight_mode="comm", weight_bits=4, grad_bits=2),
     _spec("comm-W3G3", "frontier", "", weight_mode="comm", weight_bits=3, grad_bits=3),
+    # grad_rotation (blockwise randomized Hadamard before the gradient quantizer) and
+    # stats_dtype="bfloat16" (4 bytes of stats per bucket instead of 8)
+    _spec("qsdp-sr-W4G4-rot64", "frontier", "Hadamard rotation of gradient chunks, blocks of 64",
+          weight_bits=4, grad_bits=4, grad_rotation=64, **_SR),
+    _spec("qsdp-sr-W4G3-rot64", "frontier", "", weight_bits=4, grad_bits=3, grad_rotation=64, **_SR),
+    _spec("qsdp-sr-W3G3-rot64", "frontier", "", weight_bits=3, grad_bits=3, grad_rotation=64, **_SR),
+    _spec("qsdp-sr-W4G4-b256-bf16stats", "frontier", "bf16 scale/offset, 256-element buckets",
+          weight_bits=4, grad_bits=4, bucket_size=256, stats_dtype="bfloat16", **_SR),
+    _spec("qsdp-sr-W3G3-b256-bf16stats-rot64", "frontier", "both levers, 256-element buckets",
+          weight_bits=3, grad_bits=3, bucket_size=256, stats_dtype="bfloat16", grad_rotation=64, **_SR),
+    _spec("comm-W4G2-rot64", "frontier", "2-bit gradients with the rotation",
+          weight_mode="comm", weight_bits=4, grad_bits=2, grad_rotation=64),
+    _spec("qsdp-sr-W3G2-rot64", "frontier", "under 3 wire bits: 2-bit rotated gradients",
+          weight_bits=3, grad_bits=2, grad_rotation=64, **_SR),
+    # bit policy: the embeddings (tied: also the output head) at W8G8, the rest lower
+    _spec("qsdp-sr-W4G4-emb8", "frontier", "embeddings (tied output head) at W8G8, the rest W4G4",
+          weight_bits=4, grad_bits=4, bit_policy=(("embed/*", 8, 8),), **_SR),
+    _spec("qsdp-sr-W3G3-emb8", "frontier", "embeddings (tied output head) at W8G8, the rest W3G3",
+          weight_bits=3, grad_bits=3, bit_policy=(("embed/*", 8, 8),), **_SR),
 ]}
 
 
@@ -174,7 +193,7 @@ def write_record(root: Path, key: RunKey, record: dict) -> Path:
     """Write ``record`` at ``key.path(root)`` atomically (temp file in the same folder, fsync,
     rename): an interrupted run leaves no record, so it is simply run again."""
     path = key.path(root)
-    _write_atomically(path, json.dumps(record, indent=1) + "\n")
+    write_atomic(path, json.dumps(record, indent=1) + "\n")
     return path
 
 

@@ -33,6 +33,29 @@ def _bits(text: str):
     return v
 
 
+def _bit_policy(text: str) -> tuple:
+    """``--bit-policy 'embed*=8,8;blocks/*/kernel=4,none'``: ``;``-separated rules
+    ``PATTERN=WEIGHT_BITS,GRAD_BITS`` (bits 1..8 or none) -> ``QSDPConfig.bit_policy``."""
+    rules = []
+    for i, part in enumerate(p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        pattern, eq, bits = part.rpartition("=")
+        values = [b.strip() for b in bits.split(",")]
+        if not eq or not pattern.strip() or len(values) != 2:
+            raise argparse.ArgumentTypeError(
+                f"rule {i + 1} {part!r}: expected PATTERN=WEIGHT_BITS,GRAD_BITS (bits 1..8 or none), "
+                "rules separated by ';', e.g. 'embed*=8,8;head*=8,none'")
+        try:
+            w, g = (None if _bits(v) == "none" else _bits(v) for v in values)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"rule {i + 1} {part!r}: {e}") from None
+        rules.append((pattern.strip(), w, g))
+    if not rules:
+        raise argparse.ArgumentTypeError(f"no rule in {text!r}: expected e.g. 'embed*=8,8'")
+    return tuple(rules)
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -100,10 +123,21 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
     qz.add_argument("--weight-mode", choices=("qsdp", "comm", "full"), default=None,
                     help="qsdp: weights kept on a shifted grid (default); comm: quantized only "
                     "for the all-gather (ZeRO++-style); full: full-precision gather")
-    qz.add_argument("--weight-rounding", choices=("shift", "stochastic"), default="shift",
-                    help="how qsdp mode puts updated weights on a grid (default: shift)")
+    qz.add_argument("--weight-rounding", choices=("shift", "stochastic"), default=None,
+                    help="how qsdp mode puts updated weights on a grid: stochastic rounding "
+                    "(the default) or the paper's random shift")
     qz.add_argument("--comm-dtype", choices=("float32", "bfloat16"), default=None,
                     help="dtype of the unquantized collectives (default: float32)")
+    qz.add_argument("--grad-rotation", type=_positive, default=None, metavar="BLOCK",
+                    help="rotate gradient chunks blockwise by a randomized Hadamard transform before "
+                    "quantizing (a power of 2 dividing --bucket-size; default: off)")
+    qz.add_argument("--stats-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype of the per-bucket scale and offset on the wire (default: float32; "
+                    "bfloat16 halves their bytes, needs --weight-rounding stochastic in qsdp mode)")
+    qz.add_argument("--bit-policy", type=_bit_policy, default=(), metavar="'PAT=W,G;...'",
+                    help="per-leaf bits by parameter path, first match wins: e.g. "
+                    "'embed*=8,8' keeps the embeddings at 8-bit weights and gradients (bits 1..8 "
+                    "or none; patterns are fnmatch on 'group/key/...' paths, see qsdp_jax.policy)")
     base = qz.add_mutually_exclusive_group()
     base.add_argument("--fp32", action="store_true",
                       help="the fp32 FSDP baseline (weight/grad bits none, mode full, fp32 comm)")
@@ -146,6 +180,17 @@ def _add_output_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
+
+
+def _lever_kwargs(args: argparse.Namespace) -> dict:
+    """``grad_rotation`` / ``stats_dtype`` when their flags are given (absent when off, so the
+    kwargs of every other run stay what they were)."""
+    out = {}
+    if getattr(args, "grad_rotation", None) is not None:
+        out["grad_rotation"] = args.grad_rotation
+    if getattr(args, "stats_dtype", "float32") != "float32":
+        out["stats_dtype"] = args.stats_dtype
+    return out
 
 
 def qsdp_kwargs(args: argparse.Namespace) -> dict:
@@ -196,9 +241,11 @@ def qsdp_kwargs(args: argparse.Namespace) -> dict:
         bucket_size=args.bucket_size,
         min_shard_size=args.min_shard_size,
         weight_mode=mode,
-        weight_rounding=args.weight_rounding,
         fp_comm_dtype=dtype or "float32",
+        **_lever_kwargs(args),
         seed=args.seed,
+        bit_policy=getattr(args, "bit_policy", ()),
+        **({} if args.weight_rounding is None else {"weight_rounding": args.weight_rounding}),
     )
 
 

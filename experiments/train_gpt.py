@@ -148,6 +148,9 @@ def run_cli(args, *, print_summary: bool = True):
         devices=describe_devices(devices), mesh=dict(trainer.mesh.shape),
         wire_bytes_by_axis=report.by_axis(trainer.mesh),
     )
+    if cfg.bit_policy:
+        summary["bit_policy"] = {"rules": "; ".join(f"{p}={str(w).lower()},{str(g).lower()}" for p, w, g in cfg.bit_policy),
+                                 "table": trainer.state.layout.bits_table(cfg)}
     if main:
         _write_results(args, cfg, out, summary, history, report, trainer, print_summary)
     return result

@@ -123,6 +123,8 @@ def summary_text(summary: dict, report_table: str | None) -> str:
             f"vs fp32 FSDP   {ratio:.2f}x fewer bytes ({_num(summary['fp32_wire_bytes_per_step'])} "
             "per step in fp32)"
         )
+    if summary.get("bit_policy"):  # the bits of every sharded leaf
+        lines += ["", "bit policy     " + summary["bit_policy"]["rules"], summary["bit_policy"]["table"]]
     if summary["nonfinite_steps"]:
         lines.append(f"WARNING        {summary['nonfinite_steps']} step(s) skipped for non-finite gradients")
     if report_table:

@@ -7,6 +7,8 @@ from qsdp_jax import optim  # noqa: F401  (``qsdp_jax.optim.qsdp``)
 from qsdp_jax import distributed  # noqa: F401  (``qsdp_jax.distributed.initialize``)
 from qsdp_jax import kernels  # noqa: F401  (``qsdp_jax.kernels``: Pallas hot path)
 from qsdp_jax import nnx  # noqa: F401  (the Flax NNX front door: ``qsdp_jax.nnx.init_state``)
+from qsdp_jax import rotation  # noqa: F401  (``QSDPConfig.grad_rotation``: blockwise Hadamard)
+from qsdp_jax import policy  # noqa: F401  (per-leaf bits: ``QSDPConfig.bit_policy``'s paths and patterns)
 from qsdp_jax.access import LocalParams, ParamAccess
 from qsdp_jax.collectives import (
     GatherSpec,
@@ -64,6 +66,7 @@ __all__ = [
     "make_train_step",
     "nnx",
     "optim",
+    "policy",
     "pack_bits",
     "quantize",
     "quantized_all_gather",

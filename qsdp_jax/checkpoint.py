@@ -52,6 +52,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from qsdp_jax import policy
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.sharding import FlatLayout
 
@@ -79,7 +80,8 @@ def _bucketed(g) -> int:
 
 
 def _kind(path, layout: FlatLayout) -> tuple[str, str | None]:
-    """``("flat", group)``, ``("opt_sharded", group)``, ``("opt_rep", None)`` or ``("plain", None)``."""
+    """``("flat", key)``, ``("opt_sharded", key)``, ``("opt_rep", None)`` or ``("plain", None)``
+    (``key``: the flat buffer's key, its group's name without a bit policy)."""
     head = path[0].name if isinstance(path[0], jax.tree_util.GetAttrKey) else None
     group = None
     for a, b in zip(path, path[1:]):
@@ -113,10 +115,10 @@ def _export_leaf(x, path, layout: FlatLayout):
     kind, group = _kind(path, layout)
     where = jax.tree_util.keystr(path)
     if kind == "flat":
-        g = layout.group(group)
+        g = layout.buffer(group)
         return x[..., : _real_length(x.shape[-1], g, layout.bucket, where)]
     if kind == "opt_sharded":
-        g = layout.group(group)
+        g = layout.buffer(group)
         full = jnp.moveaxis(x, 0, -2).reshape(*x.shape[1:-1], x.shape[0] * x.shape[-1])
         return full[..., : _real_length(full.shape[-1], g, layout.bucket, where)]
     if kind == "opt_rep":
@@ -134,7 +136,7 @@ def _import_leaf(saved: np.ndarray, like, path, layout: FlatLayout) -> np.ndarra
     if kind in ("flat", "opt_sharded"):
         total = like.shape[-1] * (n if kind == "opt_sharded" else 1)
         lead = like.shape[1:-1] if kind == "opt_sharded" else like.shape[:-1]
-        real = _real_length(total, layout.group(group), layout.bucket, where)
+        real = _real_length(total, layout.buffer(group), layout.bucket, where)
         if saved.shape != (*lead, real):
             raise CheckpointMismatch(f"{where}: the checkpoint holds shape {saved.shape}, this state needs {(*lead, real)}")
         full = np.zeros((*lead, total), saved.dtype)
@@ -189,10 +191,22 @@ def describe_layout(layout: FlatLayout) -> dict:
                 "num_leaves": g.num_leaves,
                 "slots": [[s.index, list(s.shape), s.dtype, s.offset, s.size] for s in g.slots],
                 "replicated": list(g.replicated),
+                **policy.describe_buffers(g),
             }
             for g in layout.groups
         },
     }
+
+
+def _config_record(config: QSDPConfig) -> dict:
+    """The config as stored; ``bit_policy`` only when set, so that checkpoints made before the
+    field existed compare equal to a policy-less config (and a policy is a named mismatch)."""
+    record = dataclasses.asdict(config)
+    if not config.bit_policy:
+        record.pop("bit_policy")
+    else:
+        record["bit_policy"] = [list(r) for r in config.bit_policy]
+    return record
 
 
 def describe(state, config: QSDPConfig, mesh: Mesh, identity: dict | None = None) -> dict:
@@ -201,7 +215,7 @@ def describe(state, config: QSDPConfig, mesh: Mesh, identity: dict | None = None
         raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
     return {
         "format": FORMAT,
-        "config": dataclasses.asdict(config),
+        "config": _config_record(config),
         "layout": describe_layout(state.layout),
         "identity": _jsonable(identity or {}),
     }

@@ -28,13 +28,22 @@ from jax import lax
 
 from qsdp_jax import kernels as qk
 from qsdp_jax import quantizers as qz
+from qsdp_jax import rotation as qr
 
 # ----------------------------------------------------------------------------------------------
 # One uint8 payload per QTensor: [packed codes | scales bytes | offsets bytes]
 # ----------------------------------------------------------------------------------------------
-def payload_size(n: int, bits: int, bucket: int) -> int:
-    """Bytes of the payload of ``n`` elements: packed codes plus float32 scale and offset."""
-    return qz.packed_size(n, bits) + 8 * (n // bucket)
+def payload_size(n: int, bits: int, bucket: int, stats_dtype: str = "float32") -> int:
+    """Bytes of the payload of ``n`` elements: packed codes plus a scale and an offset per
+    bucket (``stats_dtype``: float32, 8 bytes per bucket, or bfloat16, 4)."""
+    return qz.packed_size(n, bits) + stat_bytes(stats_dtype) * (n // bucket)
+
+
+def stat_bytes(stats_dtype: str) -> int:
+    """Bytes of one bucket's (scale, offset) on the wire: 8 (float32) or 4 (bfloat16)."""
+    if stats_dtype not in qz.STATS_DTYPES:
+        raise ValueError(f"stats_dtype={stats_dtype!r} is invalid: must be one of {qz.STATS_DTYPES}")
+    return 8 if stats_dtype == "float32" else 4
 
 
 def cpu_boundary(fn, *args):
@@ -61,15 +70,15 @@ def cpu_boundary(fn, *args):
     return lax.platform_dependent(*args, cpu=split, default=fn)
 
 
-def to_payload(qt: qz.QTensor, split: bool = False) -> jax.Array:
+def to_payload(qt: qz.QTensor, split: bool = False, stats_dtype: str = "float32") -> jax.Array:
     """QTensor (..., n) -> uint8 (..., payload_size(n)); ``split``: build it behind
     :func:`payload_kernels`."""
     if split:
-        return payload_kernels(qt)
-    return payload_from_packed(qz.pack_bits(qt.codes, qt.bits), qt.scales, qt.offsets)
+        return payload_kernels(qt, stats_dtype)
+    return payload_from_packed(qz.pack_bits(qt.codes, qt.bits), qt.scales, qt.offsets, stats_dtype)
 
 
-def payload_kernels(qt: qz.QTensor) -> jax.Array:
+def payload_kernels(qt: qz.QTensor, stats_dtype: str = "float32") -> jax.Array:
     """``to_payload(qt)`` behind :func:`cpu_boundary`, which receives the codes by bucket.
 
     The quantizer's fusion then ends in bucketed codes and the packing and the payload's
@@ -82,37 +91,50 @@ def payload_kernels(qt: qz.QTensor) -> jax.Array:
     lead, n = qt.codes.shape[:-1], qt.codes.shape[-1]
 
     def build(codes, scales, offsets):
-        return payload_from_packed(qz.pack_bits(codes.reshape(*lead, n), qt.bits), scales, offsets)
+        return payload_from_packed(qz.pack_bits(codes.reshape(*lead, n), qt.bits), scales, offsets, stats_dtype)
 
     return cpu_boundary(build, qz.to_buckets(qt.codes, qt.bucket), qt.scales, qt.offsets)
 
 
-def payload_from_packed(packed: jax.Array, scales: jax.Array, offsets: jax.Array) -> jax.Array:
-    """``[packed codes | scales bytes | offsets bytes]``: the payload of already packed codes."""
+def payload_from_packed(packed: jax.Array, scales: jax.Array, offsets: jax.Array,
+                        stats_dtype: str = "float32") -> jax.Array:
+    """``[packed codes | scales bytes | offsets bytes]``: the payload of already packed codes.
+
+    ``stats_dtype="bfloat16"``: the stats are sent as bf16 (2 bytes each); they must already
+    be bf16 values (``qz.quantize(..., stats_dtype="bfloat16")`` makes them so), so the cast
+    is exact."""
     stats = jnp.concatenate([scales, offsets], axis=-1)  # one bitcast for both
-    stat_bytes = lax.bitcast_convert_type(stats, jnp.uint8).reshape(*stats.shape[:-1], -1)
-    return jnp.concatenate([packed, stat_bytes], axis=-1)
+    if stat_bytes(stats_dtype) == 4:
+        stats = lax.bitcast_convert_type(stats.astype(jnp.bfloat16), jnp.uint16)
+    stat_bytes_ = lax.bitcast_convert_type(stats, jnp.uint8).reshape(*stats.shape[:-1], -1)
+    return jnp.concatenate([packed, stat_bytes_], axis=-1)
 
 
-def split_payload(payload: jax.Array, n: int, bits: int, bucket: int):
-    """Inverse of :func:`payload_from_packed`: ``(packed codes, scales, offsets)``."""
+def split_payload(payload: jax.Array, n: int, bits: int, bucket: int, stats_dtype: str = "float32"):
+    """Inverse of :func:`payload_from_packed`: ``(packed codes, scales, offsets)``, stats float32."""
     p = qz.packed_size(n, bits)
     nb = n // bucket
     lead = payload.shape[:-1]
-    if payload.shape[-1] != p + 8 * nb:
-        raise ValueError(f"payload of {payload.shape[-1]} bytes does not hold {n} codes of {bits} bits")
-    stats = lax.bitcast_convert_type(payload[..., p:].reshape(*lead, 2 * nb, 4), jnp.float32)
+    if payload.shape[-1] != payload_size(n, bits, bucket, stats_dtype):
+        raise ValueError(f"payload of {payload.shape[-1]} bytes does not hold {n} codes of {bits} bits "
+                         f"with {stats_dtype} stats")
+    if stat_bytes(stats_dtype) == 4:
+        half = lax.bitcast_convert_type(payload[..., p:].reshape(*lead, 2 * nb, 2), jnp.uint16)
+        stats = lax.bitcast_convert_type(half, jnp.bfloat16).astype(jnp.float32)
+    else:
+        stats = lax.bitcast_convert_type(payload[..., p:].reshape(*lead, 2 * nb, 4), jnp.float32)
     return payload[..., :p], stats[..., :nb], stats[..., nb:]
 
 
-def from_payload(payload: jax.Array, n: int, bits: int, bucket: int) -> qz.QTensor:
+def from_payload(payload: jax.Array, n: int, bits: int, bucket: int, stats_dtype: str = "float32") -> qz.QTensor:
     """Inverse of :func:`to_payload`."""
-    packed, scales, offsets = split_payload(payload, n, bits, bucket)
+    packed, scales, offsets = split_payload(payload, n, bits, bucket, stats_dtype)
     codes = qz.unpack_bits(packed, bits, n)
     return qz.QTensor(codes=codes, scales=scales, offsets=offsets, bits=bits, bucket=bucket)
 
 
-def dequantize_rows(payloads: jax.Array, n: int, bits: int, bucket: int, summed: bool = False) -> jax.Array:
+def dequantize_rows(payloads: jax.Array, n: int, bits: int, bucket: int, summed: bool = False,
+                    stats_dtype: str = "float32") -> jax.Array:
     """The jnp receive: payloads ``(..., payload)`` of ``n`` elements each -> float32
     ``(..., n)``, or with ``summed`` the :func:`sum_rows` of the leading axis, ``(n,)``.
 
@@ -125,13 +147,13 @@ def dequantize_rows(payloads: jax.Array, n: int, bits: int, bucket: int, summed:
     """
 
     def values(p):
-        packed, scales, offsets = split_payload(p, n, bits, bucket)
+        packed, scales, offsets = split_payload(p, n, bits, bucket, stats_dtype)
         codes = qz.unpack_groups(packed.reshape(*packed.shape[:-1], n // bucket, -1), bits)
         v = offsets[..., None, None] + codes.astype(jnp.float32) * scales[..., None, None]
         return sum_rows(v) if summed else v  # (..., buckets, groups, codes per group)
 
     if bucket % 8:  # buckets that do not pack into whole bytes: the flat unpacking
-        v = from_payload(payloads, n, bits, bucket).dequantize()
+        v = from_payload(payloads, n, bits, bucket, stats_dtype).dequantize()
         return sum_rows(v) if summed else v
     out = cpu_boundary(values, payloads)
     return out.reshape(*out.shape[:-3], n)
@@ -150,6 +172,7 @@ def quantized_all_gather(
     rounding: qz.QRounding = "nearest",
     key: jax.Array | None = None,
     kernels: str = "auto",
+    stats_dtype: str = "float32",
 ) -> jax.Array:
     """Gather a 1-D shard from every device on ``axis_name``, quantized on the wire.
 
@@ -159,40 +182,53 @@ def quantized_all_gather(
       rounding, key: how to quantize when no grid is given (``"nearest"``: ZeRO++-style).
       kernels: ``QSDPConfig.kernels``: who quantizes + packs and unpacks + dequantizes
         (:func:`qsdp_jax.kernels.select`).
+      stats_dtype: ``QSDPConfig.stats_dtype``: per-bucket stats on the wire as float32 or bf16
+        (a ``grid`` must then hold bf16 values).
     Returns the float32 full buffer, ``axis_size * len(shard)`` elements.
     """
     n = shard.shape[-1]
     payload = quantize_payload(shard, bits=bits, bucket=bucket, grid=grid, rounding=rounding,
-                               key=key, kernels=kernels)
+                               key=key, kernels=kernels, stats_dtype=stats_dtype)
     gathered = lax.all_gather(payload, axis_name, axis=0, tiled=False)  # (N, payload)
-    return dequantize_payloads(gathered, n, bits=bits, bucket=bucket, kernels=kernels)
+    return dequantize_payloads(gathered, n, bits=bits, bucket=bucket, kernels=kernels, stats_dtype=stats_dtype)
 
 
-def quantize_payload(shard, *, bits, bucket, grid=None, rounding="nearest", key=None, kernels="auto"):
+def stats_kernels(kernels: str, stats_dtype: str) -> str:
+    """The kernels mode for quantizers that compute their own stats: the Pallas kernels write
+    float32 stats only, so compact (bf16) stats fall back to the jnp reference."""
+    return kernels if stats_dtype == "float32" else "reference"
+
+
+def quantize_payload(shard, *, bits, bucket, grid=None, rounding="nearest", key=None, kernels="auto",
+                     stats_dtype="float32"):
     """The uint8 payload of a 1-D shard (codes + per-bucket stats bytes, :func:`to_payload`'s
     layout): on ``grid`` when given (lossless), else quantized with ``rounding``."""
+    sd = stats_dtype
     if grid is not None:
         return qk.select(
             kernels,
-            lambda x, s, o: to_payload(qz.quantize_on_grid(x, s, o, bits, bucket), split=bits < 8),
-            lambda x, s, o, target: payload_from_packed(qk.grid_pack(x, s, o, bits, bucket, target=target), s, o),
+            lambda x, s, o: to_payload(qz.quantize_on_grid(x, s, o, bits, bucket), split=bits < 8, stats_dtype=sd),
+            lambda x, s, o, target: payload_from_packed(
+                qk.grid_pack(x, s, o, bits, bucket, target=target), s, o, sd),
             shard, grid[0], grid[1], bucket=bucket,
         )
     return qk.select(
-        kernels,
-        lambda x: to_payload(qz.quantize(x, bits, bucket, rounding, key), split=bits < 8),
+        stats_kernels(kernels, sd),
+        lambda x: to_payload(qz.quantize(x, bits, bucket, rounding, key, stats_dtype=sd), split=bits < 8,
+                             stats_dtype=sd),
         lambda x, target: payload_from_packed(*qk.quantize_pack(x, bits, bucket, rounding, key, target=target)),
         shard, bucket=bucket,
     )
 
 
-def dequantize_payloads(payloads, n, *, bits, bucket, kernels="auto"):
+def dequantize_payloads(payloads, n, *, bits, bucket, kernels="auto", stats_dtype="float32"):
     """``(senders, payload)`` uint8 rows of ``n`` elements each -> the float32 concatenation."""
+    sd = stats_dtype
     return qk.select(
         kernels,
-        lambda p: dequantize_rows(p, n, bits, bucket).reshape(-1),
+        lambda p: dequantize_rows(p, n, bits, bucket, stats_dtype=sd).reshape(-1),
         lambda p, target: qk.unpack_dequantize(
-            *split_payload(p, n, bits, bucket), bits, bucket, n, target=target).reshape(-1),
+            *split_payload(p, n, bits, bucket, sd), bits, bucket, n, target=target).reshape(-1),
         payloads, bucket=bucket,
     )
 
@@ -239,13 +275,18 @@ def quantized_reduce_scatter(
     key: jax.Array,
     rounding: qz.QRounding = "stochastic",
     kernels: str = "auto",
+    rotation: int | None = None,
+    stats_dtype: str = "float32",
 ) -> jax.Array:
     """Sum a 1-D buffer over ``axis_name`` and keep this device's chunk, quantized on the wire.
 
     ``full`` has ``N * chunk`` elements, ``chunk`` a multiple of ``bucket``. Each sender
     quantizes with its own key (``key`` folded with its axis index), so the errors of different
     senders are independent; with stochastic rounding the result is unbiased. ``kernels``:
-    ``QSDPConfig.kernels`` (:func:`qsdp_jax.kernels.select`).
+    ``QSDPConfig.kernels`` (:func:`qsdp_jax.kernels.select`). ``rotation``:
+    ``QSDPConfig.grad_rotation``, a Hadamard block size (:mod:`qsdp_jax.rotation`): chunk ``i``
+    is rotated with signs keyed by (``key``, ``i``) before quantizing, and the receiver undoes
+    it after the sum. ``stats_dtype``: ``QSDPConfig.stats_dtype``.
     """
     num = lax.axis_size(axis_name)
     n = full.shape[-1]
@@ -253,21 +294,30 @@ def quantized_reduce_scatter(
         raise ValueError(f"buffer of {n} elements does not split into {num} chunks of whole buckets of {bucket}")
     chunk = n // num
     sender_key = qz.derive_key(key, lax.axis_index(axis_name))
+    sd = stats_dtype
+    rows = full.reshape(num, chunk)
+    if rotation is not None:
+        rows = qr.rotate(rows, qr.chunk_signs(key, jnp.arange(num), chunk), rotation)
     payload = qk.select(
-        kernels,
-        lambda x: to_payload(qz.quantize(x, bits, bucket, rounding, sender_key), split=True),
+        stats_kernels(kernels, sd),
+        lambda x: to_payload(qz.quantize(x, bits, bucket, rounding, sender_key, stats_dtype=sd),
+                             split=True, stats_dtype=sd),
         lambda x, target: payload_from_packed(
             *qk.quantize_pack(x, bits, bucket, rounding, sender_key, target=target)),
-        full.reshape(num, chunk), bucket=bucket,
+        rows, bucket=bucket,
     )
     received = lax.all_to_all(payload, axis_name, 0, 0, tiled=False)  # (N, payload)
-    return qk.select(
+    summed = qk.select(
         kernels,
-        lambda p: dequantize_rows(p, chunk, bits, bucket, summed=True),  # (N, payload) -> (chunk,)
+        lambda p: dequantize_rows(p, chunk, bits, bucket, summed=True, stats_dtype=sd),  # (N, payload) -> (chunk,)
         lambda p, target: qk.unpack_dequantize_sum(
-            *split_payload(p, chunk, bits, bucket), bits, bucket, chunk, target=target),
+            *split_payload(p, chunk, bits, bucket, sd), bits, bucket, chunk, target=target),
         received, bucket=bucket,
     )
+    if rotation is None:
+        return summed
+    mine = qr.chunk_signs(key, lax.axis_index(axis_name)[None], chunk)[0]
+    return qr.unrotate(summed, mine, rotation)
 
 
 def reduce_scatter_fp(full: jax.Array, *, axis_name: str, dtype: str = "float32") -> jax.Array:
@@ -304,10 +354,14 @@ class GatherSpec:
     grad_rounding: str = "stochastic"
     fp_dtype: str = "float32"
     kernels: str = "auto"
+    grad_rotation: int | None = None
+    stats_dtype: str = "float32"
 
     @classmethod
     def from_config(cls, config) -> "GatherSpec":
         return cls(
+            grad_rotation=config.grad_rotation,
+            stats_dtype=config.stats_dtype,
             axis_name=config.axis_name,
             bucket=config.bucket_size,
             weight_mode=config.weight_mode,
@@ -331,6 +385,7 @@ class GatherSpec:
             grid=grid if self.weight_mode == "qsdp" else None,
             rounding="nearest",
             kernels=self.kernels,
+            stats_dtype=self.stats_dtype,
         )
 
     def reduce_scatter(self, full, key):
@@ -344,6 +399,8 @@ class GatherSpec:
             key=key,
             rounding=self.grad_rounding,
             kernels=self.kernels,
+            rotation=self.grad_rotation,
+            stats_dtype=self.stats_dtype,
         )
 
 

@@ -18,6 +18,7 @@ WEIGHT_ROUNDINGS = ("shift", "stochastic")
 GRAD_ROUNDINGS = ("stochastic", "nearest")
 FP_COMM_DTYPES = ("float32", "bfloat16")
 KERNEL_MODES = ("auto", "pallas", "reference", "interpret")
+STATS_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +37,12 @@ class QSDPConfig:
         all-gather, as in ZeRO++; the baseline QSDP has to beat.
         ``"full"``: weights gathered in ``fp_comm_dtype``; requires ``weight_bits=None``.
       weight_rounding: how ``"qsdp"`` mode projects updated weights onto a fresh grid:
-        ``"shift"`` (the paper's method, the default): round to nearest on a grid shifted by a
-        random fraction of a step per bucket; ``"stochastic"``: unbiased stochastic rounding on
-        the bucket's min/max grid. Both keep the weights on a grid (lossless all-gather) and are
-        unbiased; the shift's noise does not shrink with the update, stochastic rounding's does
-        (see README, "Choosing bits").
+        ``"stochastic"`` (the default): unbiased stochastic rounding on the bucket's min/max
+        grid; ``"shift"`` (the paper's method): round to nearest on a grid shifted by a random
+        fraction of a step per bucket. Both keep the weights on a grid (lossless all-gather) and
+        are unbiased, but the shift's noise does not shrink with the update while stochastic
+        rounding's does: at 4 bits the shift ruins training (README, "Choosing bits", has the
+        measured cost), at 8 bits the two are alike.
       grad_rounding: ``"stochastic"`` (unbiased, the default) or ``"nearest"`` (biased).
       min_shard_size: leaves with fewer elements (per layer, for layer-stacked groups) stay
         full precision and replicated on every device: biases, norm scales.
@@ -70,13 +72,25 @@ class QSDPConfig:
         (chosen per lowering platform, for exporting to GPU/TPU from a CPU host),
         ``"reference"`` (the jnp reference everywhere) or ``"interpret"`` (the kernels in
         Pallas interpret mode on any backend; slow, for tests on CPU).
+      bit_policy: per-leaf bits by parameter path, ordered rules ``(pattern, weight_bits,
+        grad_bits)``, e.g. ``(("embed/*", 8, 8), ("head/out/*", 8, None))``. A sharded leaf
+        takes the bits of the first rule whose pattern matches its path, unmatched leaves use
+        ``weight_bits`` / ``grad_bits`` (see ``qsdp_jax.policy`` for the path and pattern
+        language: ``fnmatch`` on ``"group/key/key"``). Leaves with other bits go into buffers of
+        their own (one per distinct bits in a group), each with its own collectives and grid.
+        Rule bits follow the global rules of the weight mode: in ``"full"`` mode the weight bits
+        must be None; in ``"qsdp"`` mode None means full-precision weights for those leaves (no
+        grid, gathered in float32, so only with ``fp_comm_dtype="float32"``: the gather stays
+        lossless) and 1 is refused with the shift rounding; grad bits None reduce-scatter in
+        ``fp_comm_dtype``. On a two-level mesh a rule's bits apply on both levels.
+        ``()`` (the default): no policy, the layout and step of a policy-less config.
     """
 
     weight_bits: int | None = 8
     grad_bits: int | None = 8
     bucket_size: int = 1024
     weight_mode: WeightMode = "qsdp"
-    weight_rounding: str = "shift"
+    weight_rounding: str = "stochastic"
     grad_rounding: Rounding = "stochastic"
     min_shard_size: int = 4096
     seed: int = 0
@@ -87,6 +101,9 @@ class QSDPConfig:
     inter_weight_bits: int | None = None
     inter_grad_bits: int | None = None
     kernels: str = "auto"
+    grad_rotation: int | None = None
+    stats_dtype: str = "float32"
+    bit_policy: tuple[tuple[str, int | None, int | None], ...] = ()
 
     def __post_init__(self):
         _check_bits("weight_bits", self.weight_bits)
@@ -127,6 +144,83 @@ class QSDPConfig:
                 "levels leave none (weight_rounding='stochastic' or weight_mode='comm' accept 1)",
             )
         self._check_levels()
+        self._check_levers()
+        self._check_policy()
+
+    def _check_levers(self):
+        """Validate ``grad_rotation`` and ``stats_dtype``."""
+        r = self.grad_rotation
+        if r is not None:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 2 or r & (r - 1):
+                _fail("grad_rotation", r, "None or a power of 2 >= 2 (a Hadamard block size)")
+            if self.bucket_size % r:
+                _fail("grad_rotation", r, f"a block size dividing bucket_size={self.bucket_size}")
+            if self.grad_bits is None:
+                _fail("grad_rotation", r, "None when grad_bits=None (only quantized gradients are rotated)")
+            if self.outer_axis is not None:
+                _fail("grad_rotation", r, "None on a two-level mesh (node_axis / replica_axis): "
+                      "the rotated reduce-scatter is implemented for 1-D meshes only")
+        _check_choice("stats_dtype", self.stats_dtype, STATS_DTYPES)
+        if self.stats_dtype != "float32":
+            if self.weight_mode == "qsdp" and self.weight_rounding == "shift":
+                _fail("stats_dtype", self.stats_dtype,
+                      "'float32' with weight_mode='qsdp' and weight_rounding='shift': the shifted "
+                      "grid's offset is a random fraction of a step, which bf16 cannot hold without "
+                      "biasing the projection (use weight_rounding='stochastic')")
+            if self.outer_axis is not None:
+                _fail("stats_dtype", self.stats_dtype, "'float32' on a two-level mesh (node_axis / "
+                      "replica_axis): compact statistics are implemented for 1-D meshes only")
+
+    def _check_policy(self):
+        """Validate ``bit_policy`` (lists are accepted and stored as tuples: hashable)."""
+        policy = self.bit_policy
+        if isinstance(policy, (str, bytes)) or not isinstance(policy, (tuple, list)):
+            _fail("bit_policy", policy, "a tuple of rules (pattern, weight_bits, grad_bits)")
+        rules = []
+        for i, rule in enumerate(policy):
+            field = f"bit_policy[{i}]"
+            if isinstance(rule, (str, bytes)) or not isinstance(rule, (tuple, list)) or len(rule) != 3:
+                _fail(field, rule, "a rule (pattern, weight_bits, grad_bits), e.g. ('embed/*', 8, 8)")
+            pattern, wb, gb = rule
+            if not isinstance(pattern, str) or not pattern.strip():
+                _fail(field, tuple(rule), "a rule whose pattern is a non-empty string (fnmatch on "
+                      "the leaf path 'group/key/...')")
+            for what, v in (("weight_bits", wb), ("grad_bits", gb)):
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8):
+                    _fail(field, tuple(rule), f"a rule whose {what} is None or an integer in 1..8")
+            if pattern in [r[0] for r in rules]:
+                _fail(field, tuple(rule), f"a rule with a pattern not used before ({pattern!r} is "
+                      "rule " f"{[r[0] for r in rules].index(pattern)}; the first match wins, so this "
+                      "rule could never apply)")
+            self._check_rule_bits(field, (pattern, wb, gb))
+            rules.append((pattern, wb, gb))
+        object.__setattr__(self, "bit_policy", tuple(rules))
+
+    def _check_rule_bits(self, field: str, rule: tuple):
+        """A rule's bits obey the weight mode's rules (see the ``bit_policy`` docstring)."""
+        _, wb, _ = rule
+        mode = self.weight_mode
+        if mode == "full" and wb is not None:
+            _fail(field, rule, "a rule with weight_bits None when weight_mode='full' (quantized "
+                  "weights need weight_mode 'qsdp' or 'comm')")
+        if mode == "qsdp" and wb is None and self.fp_comm_dtype != "float32":
+            _fail(field, rule, "a rule with weight_bits 1..8 when weight_mode='qsdp' and "
+                  f"fp_comm_dtype={self.fp_comm_dtype!r}: full-precision leaves (None) are "
+                  "gathered in fp_comm_dtype, which is lossless only in 'float32'")
+        if mode == "qsdp" and self.weight_rounding == "shift" and wb == 1:
+            _fail(field, rule, "a rule with weight_bits 2..8 (or None) with weight_mode='qsdp' and "
+                  "weight_rounding='shift': the shifted grid needs a spare level")
+
+    def buffer_config(self, weight_bits: int | None, grad_bits: int | None) -> "QSDPConfig":
+        """The config of one buffer of a :attr:`bit_policy`: these bits on every level, no
+        policy. ``weight_bits=None`` in ``"qsdp"`` or ``"comm"`` mode is a full-precision
+        buffer (``weight_mode="full"``)."""
+        mode = "full" if weight_bits is None else self.weight_mode
+        return dataclasses.replace(
+            self, weight_bits=weight_bits, grad_bits=grad_bits, weight_mode=mode,
+            inter_weight_bits=None, inter_grad_bits=None, bit_policy=(),
+            grad_rotation=None if grad_bits is None else self.grad_rotation,  # fp gradients: no rotation
+        )
 
     def _check_levels(self):
         """Validate the two-level fields (mesh axes and per-level bits)."""
@@ -179,13 +273,16 @@ class QSDPConfig:
 
     @classmethod
     def qsdp(cls, weight_bits: int = 8, grad_bits: int | None = 8, **kw) -> "QSDPConfig":
-        """QSDP: weights kept on a shifted grid, quantized gradients."""
+        """QSDP: weights kept on a quantization grid (stochastic rounding by default), quantized
+        gradients."""
         return cls(weight_bits=weight_bits, grad_bits=grad_bits, weight_mode="qsdp", **kw)
 
     @classmethod
     def from_name(cls, name: str, **kw) -> "QSDPConfig":
         """The config a :attr:`name` stands for: ``fp32``, ``bf16``, ``qsdp-W8G8``,
-        ``qsdp-sr-W4G4``, ``comm-W4GF32``, ``full-WF32G8``, or bare ``W8G8`` (QSDP)."""
+        ``qsdp-sr-W4G4``, ``comm-W4GF32``, ``full-WF32G8``, or bare ``W8G8`` (QSDP). A name
+        states the weight rounding: ``qsdp-`` and bare names are the paper's shift, ``qsdp-sr-``
+        stochastic rounding (the default of ``QSDPConfig``), so ``from_name(c.name) == c``."""
         if name == "fp32":
             return cls.fp32(**kw)
         if name == "bf16":
@@ -206,8 +303,8 @@ class QSDPConfig:
             grad_bits=int(g) if g.isdigit() else None,
             fp_comm_dtype="bfloat16" if fp == {"BF16"} else "float32",
         )
-        if mode == "qsdp-sr":
-            fields["weight_rounding"] = "stochastic"
+        if mode in ("qsdp", "qsdp-sr"):  # the name says the rounding: qsdp- is the paper's shift
+            fields["weight_rounding"] = "stochastic" if mode == "qsdp-sr" else "shift"
         return cls(**{**fields, **kw})
 
     @property
@@ -255,14 +352,27 @@ class QSDPConfig:
     def name(self) -> str:
         """A short label for tables: ``fp32``, ``bf16``, ``qsdp-W8G8``, ``comm-W4G4``..."""
         if self.weight_bits is None and self.grad_bits is None:
-            return ("fp32" if self.fp_comm_dtype == "float32" else "bf16") + self._level_suffix()
+            return (("fp32" if self.fp_comm_dtype == "float32" else "bf16") + self._level_suffix()
+                    + self._policy_suffix())
         fp = "F32" if self.fp_comm_dtype == "float32" else "BF16"
         w = f"W{self.weight_bits}" if self.weight_bits is not None else f"W{fp}"
         g = f"G{self.grad_bits}" if self.grad_bits is not None else f"G{fp}"
         mode = self.weight_mode
         if mode == "qsdp" and self.weight_rounding == "stochastic":
             mode = "qsdp-sr"
-        return f"{mode}-{w}{g}{self._level_suffix()}"
+        return f"{mode}-{w}{g}{self._level_suffix()}{self._lever_suffix()}{self._policy_suffix()}"
+
+    def _lever_suffix(self) -> str:
+        """``-rot64`` / ``-bf16stats`` when those switches are on (empty when off)."""
+        out = f"-rot{self.grad_rotation}" if self.grad_rotation is not None else ""
+        return out + ("-bf16stats" if self.stats_dtype == "bfloat16" else "")
+
+    def _policy_suffix(self) -> str:
+        """``-pW8G8`` per distinct bits of the policy's rules (patterns are not in the name:
+        it names output directories)."""
+        fmt = lambda b: "F" if b is None else str(b)  # noqa: E731
+        seen = dict.fromkeys(f"-pW{fmt(w)}G{fmt(g)}" for _, w, g in self.bit_policy)
+        return "".join(seen)
 
     def _level_suffix(self) -> str:
         """``-xW4`` / ``-xG4`` when the outer level's bits differ (``x``: across nodes)."""

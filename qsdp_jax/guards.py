@@ -77,7 +77,7 @@ PADDING_WARN_RATIO = 32
 def warn_padding(layout: FlatLayout, config: QSDPConfig) -> None:
     """Warn when whole-bucket padding makes the sharded buffers far larger than the leaves."""
     real = sum(g.real_size * max(g.n_layers, 1) for g in layout.groups)
-    held = sum(g.flat_size * max(g.n_layers, 1) for g in layout.groups)
+    held = sum(g.held_size * max(g.n_layers, 1) for g in layout.groups)
     if real and held > PADDING_WARN_RATIO * real and held - real > 65536:
         warnings.warn(
             f"QSDPConfig.bucket_size={config.bucket_size} on {layout.num_shards} devices pads "

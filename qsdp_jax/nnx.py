@@ -172,7 +172,7 @@ class TrainStep:
         peak = 0
         for g in state.layout.groups:
             how = self.record.get(g.name, "not read")
-            per_layer = 4 * g.flat_size  # the fp32 gather buffer of one layer
+            per_layer = 4 * g.held_size  # the fp32 gather buffers of one layer
             held = per_layer * (g.n_layers if (g.stacked and how == "whole") else 1)
             note = ""
             if g.stacked and how == "whole":
@@ -182,6 +182,8 @@ class TrainStep:
                 peak += held
             rows.append(f"{g.name:<16}{g.n_layers:>7}  {how:<11}{_mib(held):>14}  {note}")
         rows.append(f"gathered weights held at once, at most: {_mib(peak)} per device")
+        if self.config.bit_policy:  # the bits of every sharded leaf
+            rows += ["", f"bit policy {self.config.bit_policy}:", state.layout.bits_table(self.config)]
         return "\n".join(rows)
 
 

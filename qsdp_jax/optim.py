@@ -35,6 +35,7 @@ import optax
 from jax import lax
 
 from qsdp_jax import kernels as qk
+from qsdp_jax import policy
 from qsdp_jax import quantizers as qz
 from qsdp_jax.config import QSDPConfig
 
@@ -46,6 +47,7 @@ class ShardContext(NamedTuple):
     axis_name: str
     num_shards: int
     mask: PyTree  # bool per params leaf: True = a local shard of a flat buffer (last axis)
+    bits: tuple | None = None  # weight bits per params leaf (a bit policy's); None: the config's
 
 
 _CONTEXT: contextvars.ContextVar[ShardContext | None] = contextvars.ContextVar(
@@ -54,9 +56,10 @@ _CONTEXT: contextvars.ContextVar[ShardContext | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def sharding_context(axis_name: str, num_shards: int, mask: PyTree):
-    """Declare, while tracing inside ``shard_map``, which params leaves are local shards."""
-    token = _CONTEXT.set(ShardContext(axis_name, num_shards, mask))
+def sharding_context(axis_name: str, num_shards: int, mask: PyTree, bits: tuple | None = None):
+    """Declare, while tracing inside ``shard_map``, which params leaves are local shards (and,
+    with a ``QSDPConfig.bit_policy``, the weight bits of each leaf, in ``tree_leaves`` order)."""
+    token = _CONTEXT.set(ShardContext(axis_name, num_shards, mask, bits))
     try:
         yield
     finally:
@@ -149,51 +152,65 @@ def _mask_for(params: PyTree, config: QSDPConfig, ctx: ShardContext | None) -> l
     ]
 
 
+def _bits_for(params: PyTree, config: QSDPConfig, ctx: ShardContext | None) -> list:
+    """Weight bits of every params leaf (None: no grid): the sharding context's (a bit policy
+    in the sharded step), else ``config.bit_policy`` on the leaf paths, else the config's."""
+    if ctx is not None and ctx.bits is not None:
+        return list(ctx.bits)
+    if ctx is None and config.bit_policy:
+        return policy.tree_weight_bits(params, config)
+    return [config.weight_bits] * len(jax.tree_util.tree_leaves(params))
+
+
 def _empty():
     return jnp.zeros((0,), jnp.float32)
 
 
-def _project_leaf(x, geo, config, key, ctx):
-    """A fresh grid from the values of ``x`` (random shift, or stochastic rounding per
-    ``config.weight_rounding``); returns (projected x, scales, offsets)."""
+def _project_leaf(x, geo, config, key, ctx, bits):
+    """A fresh ``bits``-bit grid from the values of ``x`` (random shift, or stochastic rounding
+    per ``config.weight_rounding``); returns (projected x, scales, offsets)."""
     rows = _as_rows(x, geo)
     ids = _bucket_ids(geo, config.bucket_size, ctx)
-    bits, bucket, rounding = config.weight_bits, config.bucket_size, config.weight_rounding
+    bucket, rounding = config.bucket_size, config.weight_rounding
+
+    sd = config.stats_dtype  # bf16 grids come from the reference (the kernel writes float32 stats)
+    kernels = config.kernels if sd == "float32" else "reference"
 
     def reference(r, k, i):
-        qt = qz.quantize(r, bits, bucket, rounding, k, bucket_ids=i)
+        qt = qz.quantize(r, bits, bucket, rounding, k, bucket_ids=i, stats_dtype=sd)
         return qt.dequantize(), qt.scales, qt.offsets
 
     def kernel(r, k, i, target):
         return qk.project(r, bits, bucket, rounding, k, bucket_ids=i, target=target)
 
-    values, scales, offsets = qk.select(config.kernels, reference, kernel, rows, key, ids, bucket=bucket)
+    values, scales, offsets = qk.select(kernels, reference, kernel, rows, key, ids, bucket=bucket)
     return _from_rows(values, x, geo), scales, offsets
 
 
-def _project_leaves(values, mask, count, config, ctx, old_scales, old_offsets):
-    """Project each masked leaf onto a fresh grid keyed by (seed, count, leaf index).
+def _project_leaves(values, mask, count, config, ctx, old_scales, old_offsets, bits):
+    """Project each masked leaf onto a fresh grid of its ``bits`` keyed by (seed, count, leaf
+    index).
 
     Returns (projected values, None where unmasked; scales; offsets, the old ones where
     unmasked)."""
     out_v, out_s, out_o = [], [], []
-    for i, (x, m) in enumerate(zip(values, mask)):
-        if not m:
+    for i, (x, m, b) in enumerate(zip(values, mask, bits)):
+        if not m or b is None:
             out_v.append(None)
             out_s.append(old_scales[i])
             out_o.append(old_offsets[i])
             continue
         key = qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i)
-        v, sc, off = _project_leaf(x, _geometry(x, ctx is not None, config.bucket_size), config, key, ctx)
+        v, sc, off = _project_leaf(x, _geometry(x, ctx is not None, config.bucket_size), config, key, ctx, b)
         out_v.append(v)
         out_s.append(sc)
         out_o.append(off)
     return out_v, out_s, out_o
 
 
-def _snap_leaf(x, scales, offsets, geo, config):
+def _snap_leaf(x, scales, offsets, geo, config, bits):
     rows = _as_rows(x, geo)
-    bits, bucket = config.weight_bits, config.bucket_size
+    bucket = config.bucket_size
     values = qk.select(
         config.kernels,
         lambda r, s, o: qz.quantize_on_grid(r, s, o, bits, bucket).dequantize(),
@@ -244,7 +261,8 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
                 "optimizer once (qsdp(base, config))"
             )
         empty = [_empty()] * len(leaves)
-        _, scales, offsets = _project_leaves(leaves, mask, count, config, ctx, empty, empty)
+        bits = _bits_for(params, config, ctx)
+        _, scales, offsets = _project_leaves(leaves, mask, count, config, ctx, empty, empty, bits)
         return QSDPState(
             count=count,
             scales=jax.tree_util.tree_unflatten(treedef, scales),
@@ -269,6 +287,7 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
             proj, new_s, new_o = _project_leaves(
                 moved, _mask_for(params, config, ctx), count, config, ctx,
                 treedef.flatten_up_to(state.scales), treedef.flatten_up_to(state.offsets),
+                _bits_for(params, config, ctx),
             )
             new_u = [u if v is None else v - p
                      for p, u, v in zip(leaves, treedef.flatten_up_to(inner_updates), proj)]
@@ -312,11 +331,11 @@ def snap_to_grid(params: PyTree, opt_state: PyTree, config: QSDPConfig) -> PyTre
     s_leaves = treedef.flatten_up_to(st.scales)
     o_leaves = treedef.flatten_up_to(st.offsets)
     out = []
-    for x, s, o in zip(leaves, s_leaves, o_leaves):
+    for x, s, o, b in zip(leaves, s_leaves, o_leaves, _bits_for(params, config, ctx)):
         if s.size == 0:
             out.append(x)
         else:
-            out.append(_snap_leaf(x, s, o, _geometry(x, ctx is not None, st.bucket), config))
+            out.append(_snap_leaf(x, s, o, _geometry(x, ctx is not None, st.bucket), config, b))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -367,13 +386,21 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+_SAME_RESULT_FIELDS = ("kernels",)
+"""Config fields that choose how, not what: every ``kernels`` mode computes the same bits, so the
+optimizer and the step may differ in them (e.g. a reference optimizer with a Pallas step)."""
+
+
 def check_same_config(opt_state: PyTree, config: QSDPConfig) -> None:
     """A clear error when ``opt_state`` was made by ``qsdp(base, other)`` with ``other !=
-    config`` (naming the first differing field), or holds more than one QSDPState."""
+    config`` (naming the first differing field; fields in ``_SAME_RESULT_FIELDS`` may differ), or
+    holds more than one QSDPState."""
     st = find_qsdp_state(opt_state)
     if st is None or st.config is None or st.config == config:
         return
     for f in dataclasses.fields(QSDPConfig):
+        if f.name in _SAME_RESULT_FIELDS:
+            continue
         a, b = getattr(st.config, f.name), getattr(config, f.name)
         if a != b:
             raise ValueError(

@@ -20,6 +20,8 @@ Conventions (shared by the Pallas kernels, the collectives and the optimizer):
       so nothing is clipped and ``E_xi[dequantize(q)] = x`` exactly (dithered rounding);
       error <= ``s / 2``. Needs ``bits >= 2``.
   A bucket whose values are all equal gets ``scale = 0`` and ``offset = lo``: exact.
+* Compact stats (``stats_dtype="bfloat16"``, :func:`bf16_stats`): offset rounded down and scale
+  up to bf16 values that still cover the bucket, so the stats travel as 2 bytes each.
 * Randomness is a counter-based hash of ``(key, counter)`` (:func:`hash_uniform`), computed
   identically in jnp and in Pallas kernels: elements use ``bucket_id * bucket + position`` as
   counter, bucket shifts use ``bucket_id``. Callers pass *global* bucket ids, so the same
@@ -42,6 +44,7 @@ from jax import lax
 
 QRounding = Literal["stochastic", "nearest", "shift"]
 ROUNDINGS = ("stochastic", "nearest", "shift")
+STATS_DTYPES = ("float32", "bfloat16")
 
 _GOLDEN = 0x9E3779B9
 
@@ -123,6 +126,38 @@ def round_scale_up(s: jax.Array) -> jax.Array:
     bits = (bits + jnp.uint32(0xFF)) & jnp.uint32(0xFFFFFF00)
     rounded = lax.bitcast_convert_type(bits, jnp.float32)
     return jnp.where(jnp.isfinite(s) & (s > 0), rounded, s)
+
+
+def _bf16_toward(x: jax.Array, up: bool) -> jax.Array:
+    """float32 ``x`` rounded to a bfloat16 value (returned as float32) toward +inf (``up``) or
+    -inf; non-finite values pass through."""
+    x = x.astype(jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    low = bits & jnp.uint32(0xFFFF)
+    trunc = lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)  # toward zero
+    away = lax.bitcast_convert_type((bits & jnp.uint32(0xFFFF0000)) + jnp.uint32(0x10000), jnp.float32)
+    grow = (x > 0) if up else (x < 0)  # rounding away from zero moves toward the wanted side
+    out = jnp.where((low != 0) & grow, away, trunc)
+    return jnp.where(jnp.isfinite(x), out, x)
+
+
+def bf16_stats(lo: jax.Array, hi: jax.Array, intervals: int) -> tuple[jax.Array, jax.Array]:
+    """``(scales, offsets)`` of a grid of ``intervals`` steps made of bfloat16 values that covers
+    ``[lo, hi]`` (``QSDPConfig.stats_dtype="bfloat16"``).
+
+    The offset is ``lo`` rounded down to bf16, the scale ``(hi - offset) / intervals`` rounded up
+    to bf16, one bf16 step more where float32 ``offset + intervals * scale`` (the top code's
+    dequantized value, as :func:`dequantize` computes it) would still fall short of ``hi``: so
+    no value of the bucket lies outside the grid and stochastic rounding stays unbiased. A bf16
+    scale has 8 significant bits, so ``code * scale`` is exact in float32 (as with
+    :func:`round_scale_up`). Costs resolution where ``|lo|`` is large against ``hi - lo``.
+    """
+    off = _bf16_toward(lo, up=False)
+    s = _bf16_toward((hi - off) / jnp.float32(intervals), up=True)
+    short = off + jnp.float32(intervals) * s < hi
+    bumped = lax.bitcast_convert_type(lax.bitcast_convert_type(s, jnp.uint32) + jnp.uint32(0x10000), jnp.float32)
+    s = jnp.where(short & jnp.isfinite(s) & (s >= 0), bumped, s)
+    return s, off
 
 
 def levels(bits: int) -> int:
@@ -212,6 +247,7 @@ def quantize(
     rounding: QRounding,
     key: jax.Array | None = None,
     bucket_ids: jax.Array | None = None,
+    stats_dtype: str = "float32",
 ) -> QTensor:
     """Quantize ``x`` (..., n) bucket-wise along the last axis.
 
@@ -220,7 +256,13 @@ def quantize(
       key: uint32 key; required for ``"stochastic"`` and ``"shift"``.
       bucket_ids: uint32 (..., n // bucket) global ids of the buckets, used as counters for the
         randomness; defaults to row-major ids of ``x`` itself.
+      stats_dtype: ``"float32"``, or ``"bfloat16"``: scales and offsets are bf16 values that
+        cover each bucket's range (:func:`bf16_stats`); not with ``"shift"``.
     """
+    if stats_dtype not in STATS_DTYPES:
+        raise ValueError(f"stats_dtype={stats_dtype!r} is invalid: must be one of {STATS_DTYPES}")
+    if stats_dtype != "float32" and rounding == "shift":
+        raise ValueError("rounding='shift' needs stats_dtype='float32' (a random shift is not a bf16 value)")
     _check_bits(bits)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r} is invalid: must be one of {ROUNDINGS}")
@@ -233,6 +275,8 @@ def quantize(
     top = levels(bits)
     intervals = top - 1 if rounding == "shift" else top
     scales = round_scale_up((hi - lo) / jnp.float32(intervals))
+    if stats_dtype != "float32":
+        scales, lo = bf16_stats(lo, hi, intervals)
     exact = scales == 0  # constant bucket: code 0 at offset lo
     if bucket_ids is None:
         bucket_ids = default_bucket_ids(x.shape, bucket)

@@ -24,6 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from qsdp_jax import policy
+from qsdp_jax.policy import Buffer
+
 PyTree = Any
 
 
@@ -129,23 +132,47 @@ class Slot:
 
 @dataclasses.dataclass(frozen=True)
 class GroupLayout:
+    """One parameter group. ``slots`` / ``flat_size`` / ``chunk`` describe its buffer at the
+    config's bits (keyed by the group's name); a bit policy adds ``policy_buffers``."""
+
     name: str
     stacked: bool
     n_layers: int  # 0 for a non-stacked group
     treedef: Any
     num_leaves: int
-    slots: tuple[Slot, ...]  # sharded leaves
+    slots: tuple[Slot, ...]  # sharded leaves at the config's bits
     replicated: tuple[int, ...]  # leaf indices kept replicated
     flat_size: int  # padded length of the flat buffer (per layer); 0 if nothing is sharded
     chunk: int  # flat_size // num_shards
+    policy_buffers: tuple[Buffer, ...] = ()  # buffers of leaves a bit policy gives other bits
 
     @property
     def is_sharded(self) -> bool:
-        return self.flat_size > 0
+        return self.flat_size > 0 or bool(self.policy_buffers)
 
     @property
     def real_size(self) -> int:
-        return sum(s.size for s in self.slots)
+        return sum(s.size for b in self.buffers for s in b.slots)
+
+    @property
+    def held_size(self) -> int:
+        """Padded elements of all the group's buffers (per layer)."""
+        return sum(b.flat_size for b in self.buffers)
+
+    @property
+    def buffers(self) -> tuple[Buffer, ...]:
+        """Every flat buffer of the group: the one at the config's bits (if it holds leaves),
+        then the policy's."""
+        main = ()
+        if self.flat_size > 0:
+            main = (Buffer(self.name, self.name, 0, None, self.slots, self.flat_size, self.chunk,
+                           self.stacked, self.n_layers),)
+        return main + self.policy_buffers
+
+    def leaf_paths(self) -> list[str]:
+        """The ``qsdp_jax.policy`` path of every leaf, in treedef order."""
+        tree = jax.tree_util.tree_unflatten(self.treedef, [0] * self.num_leaves)
+        return policy.tree_paths(self.name, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,15 +191,22 @@ class FlatLayout:
         bucket: int,
         min_shard_size: int,
         stacked: Sequence[str] = (),
+        bit_policy: Sequence[tuple] = (),
+        default_bits: tuple | None = None,
     ) -> "FlatLayout":
+        """The layout of ``params`` (see the module docstring). ``bit_policy``
+        (``QSDPConfig.bit_policy``) puts the sharded leaves a rule gives other bits than
+        ``default_bits`` (the config's ``(weight_bits, grad_bits)``) into buffers of their own;
+        a rule that matches no sharded leaf is a ``ValueError``."""
         if not isinstance(params, dict) or not params:
             raise ValueError("params must be a non-empty dict of groups, e.g. {'embed': ..., 'blocks': ...}")
         unknown = set(stacked) - set(params)
         if unknown:
             raise ValueError(f"stacked groups {sorted(unknown)} are not in params (groups: {sorted(params)})")
-        groups = []
+        groups, sharded_paths, replicated_paths = [], [], []
         for name in sorted(params):
             leaves, treedef = jax.tree_util.tree_flatten(params[name])
+            paths = policy.tree_paths(name, params[name]) if bit_policy else []
             is_stacked = name in stacked
             n_layers = 0
             if is_stacked:
@@ -183,24 +217,39 @@ class FlatLayout:
                         f"got leading dims {sorted(map(str, dims))}"
                     )
                 n_layers = dims.pop()
-            slots, replicated, offset = [], [], 0
+            by_bits: dict = {None: ([], 0)}
+            replicated = []
             for i, x in enumerate(leaves):
                 shape = tuple(np.shape(x)[1:] if is_stacked else np.shape(x))
                 size = math.prod(shape)
                 dtype = _dtype(x)
                 if not jnp.issubdtype(dtype, jnp.floating) or size < min_shard_size or size == 0:
                     replicated.append(i)
+                    replicated_paths += paths[i : i + 1]
                     continue
-                slots.append(Slot(i, shape, str(dtype), offset, size))
-                offset += _round_up(size, bucket)
+                bits = policy.leaf_bits(bit_policy, paths[i]) if bit_policy else None
+                bits = None if bits == default_bits else bits
+                sharded_paths += paths[i : i + 1]
+                slots, offset = by_bits.get(bits, ([], 0))
+                by_bits[bits] = (slots + [Slot(i, shape, str(dtype), offset, size)],
+                                 offset + _round_up(size, bucket))
+            slots, offset = by_bits.pop(None)
             flat = _round_up(offset, num_shards * bucket) if slots else 0
+            extra = []
+            for j, bits in enumerate(sorted(by_bits, key=policy.bits_label), start=1):
+                b_slots, b_offset = by_bits[bits]
+                b_flat = _round_up(b_offset, num_shards * bucket)
+                extra.append(Buffer(policy.buffer_key(name, bits), name, j, bits, tuple(b_slots),
+                                    b_flat, b_flat // num_shards, is_stacked, n_layers))
             groups.append(
                 GroupLayout(
                     name=name, stacked=is_stacked, n_layers=n_layers, treedef=treedef,
                     num_leaves=len(leaves), slots=tuple(slots), replicated=tuple(replicated),
-                    flat_size=flat, chunk=flat // num_shards,
+                    flat_size=flat, chunk=flat // num_shards, policy_buffers=tuple(extra),
                 )
             )
+        if bit_policy:
+            policy.check_rules_match(bit_policy, sharded_paths, replicated_paths)
         return cls(groups=tuple(groups), num_shards=num_shards, bucket=bucket)
 
     def group(self, name: str) -> GroupLayout:
@@ -212,11 +261,27 @@ class FlatLayout:
     def group_index(self, name: str) -> int:
         return [g.name for g in self.groups].index(self.group(name).name)
 
+    @property
+    def buffers(self) -> tuple[Buffer, ...]:
+        """Every flat buffer, group by group (the keys of ``params["sharded"]``)."""
+        return tuple(b for g in self.groups for b in g.buffers)
+
+    def buffer(self, key: str) -> Buffer:
+        for b in self.buffers:
+            if b.key == key:
+                return b
+        raise KeyError(f"unknown flat buffer {key!r}; buffers are {[b.key for b in self.buffers]}")
+
+    def leaf_paths(self) -> dict[str, list[str]]:
+        """``{group: [leaf path, ...]}``: the paths a ``QSDPConfig.bit_policy`` matches."""
+        return {g.name: g.leaf_paths() for g in self.groups}
+
     # --- pytree <-> flat -----------------------------------------------------------------------
     def flatten(self, params: dict[str, PyTree]) -> dict[str, dict]:
-        """``{"sharded": {group: flat}, "replicated": {group: tuple of leaves}}``.
+        """``{"sharded": {buffer key: flat}, "replicated": {group: tuple of leaves}}``.
 
-        ``flat`` is (flat_size,) or (n_layers, flat_size) float32.
+        ``flat`` is (flat_size,) or (n_layers, flat_size) float32; a group's buffer is keyed by
+        its name (a bit policy adds ``"group@W8G8"`` buffers).
         """
         sharded, replicated = {}, {}
         for g in self.groups:
@@ -224,27 +289,33 @@ class FlatLayout:
             if len(leaves) != g.num_leaves:
                 raise ValueError(f"group {g.name!r} has {len(leaves)} leaves, the layout expects {g.num_leaves}")
             replicated[g.name] = tuple(jnp.asarray(leaves[i]) for i in g.replicated)
-            if g.is_sharded:
+            for b in g.buffers:
                 lead = (g.n_layers,) if g.stacked else ()
                 parts = []
-                for s in g.slots:
+                for s in b.slots:
                     x = jnp.asarray(leaves[s.index], jnp.float32).reshape(*lead, s.size)
                     parts.append(_pad_to(x, _round_up(s.size, self.bucket)))
                 flat = jnp.concatenate(parts, axis=-1)
-                sharded[g.name] = _pad_to(flat, g.flat_size)
+                sharded[b.key] = _pad_to(flat, b.flat_size)
         return {"sharded": sharded, "replicated": replicated}
 
-    def unflatten_group(self, name: str, flat: jax.Array | None, replicated: tuple) -> PyTree:
-        """One group's pytree from its full flat buffer (``(flat_size,)``, or with leading layer
-        axes) and its replicated leaves (with the same leading axes)."""
+    def unflatten_group(self, name: str, flat, replicated: tuple) -> PyTree:
+        """One group's pytree from its full flat buffer(s) and its replicated leaves (with the
+        same leading axes). ``flat``: ``{buffer key: buffer}`` (``(flat_size,)``, or with
+        leading layer axes), or the one buffer of a group without policy buffers."""
         g = self.group(name)
         leaves: list = [None] * g.num_leaves
         for i, x in zip(g.replicated, replicated):
             leaves[i] = x
-        if g.slots:
-            lead = flat.shape[:-1]
-            pieces = split_flat(flat, tuple((s.offset, s.size) for s in g.slots))
-            for s, x in zip(g.slots, pieces):
+        buffers = g.buffers
+        if not isinstance(flat, Mapping):
+            if len(buffers) > 1:
+                raise ValueError(f"group {name!r} has buffers {[b.key for b in buffers]}: pass a dict")
+            flat = {b.key: flat for b in buffers}
+        for b in buffers:
+            lead = flat[b.key].shape[:-1]
+            pieces = split_flat(flat[b.key], tuple((s.offset, s.size) for s in b.slots))
+            for s, x in zip(b.slots, pieces):
                 leaves[s.index] = x.reshape(*lead, *s.shape).astype(s.dtype)
         return jax.tree_util.tree_unflatten(g.treedef, leaves)
 
@@ -252,7 +323,8 @@ class FlatLayout:
         """Inverse of :func:`flatten` (on full, gathered buffers)."""
         return {
             g.name: self.unflatten_group(
-                g.name, state_params["sharded"].get(g.name), state_params["replicated"][g.name]
+                g.name, {b.key: state_params["sharded"][b.key] for b in g.buffers},
+                state_params["replicated"][g.name],
             )
             for g in self.groups
         }
@@ -260,11 +332,7 @@ class FlatLayout:
     # --- shardings -----------------------------------------------------------------------------
     def specs(self, axis_name: str) -> dict[str, dict]:
         """PartitionSpecs of the flattened state: buffers sharded on their last axis."""
-        sharded = {
-            g.name: (P(None, axis_name) if g.stacked else P(axis_name))
-            for g in self.groups
-            if g.is_sharded
-        }
+        sharded = {b.key: (P(None, axis_name) if b.stacked else P(axis_name)) for b in self.buffers}
         replicated = {g.name: tuple(P() for _ in g.replicated) for g in self.groups}
         return {"sharded": sharded, "replicated": replicated}
 
@@ -279,9 +347,15 @@ class FlatLayout:
         rows = [f"{'group':<14}{'layers':>7}{'sharded':>12}{'padded':>12}{'replicated':>12}"]
         for g in self.groups:
             rows.append(
-                f"{g.name:<14}{g.n_layers:>7}{g.real_size:>12}{g.flat_size:>12}{len(g.replicated):>12}"
+                f"{g.name:<14}{g.n_layers:>7}{g.real_size:>12}{g.held_size:>12}{len(g.replicated):>12}"
             )
+        if any(g.policy_buffers for g in self.groups):
+            rows += ["", self.bits_table()]
         return "\n".join(rows)
+
+    def bits_table(self, config=None) -> str:
+        """The bits of every sharded leaf, buffer by buffer (see ``qsdp_jax.policy.bits_table``)."""
+        return policy.bits_table(self, config)
 
 
 def split_flat(flat: jax.Array, spans: tuple[tuple[int, int], ...]) -> tuple[jax.Array, ...]:

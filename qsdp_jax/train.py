@@ -46,7 +46,7 @@ from qsdp_jax.collectives import make_gather
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.guards import CheckedStep, check_params, warn_padding
 from qsdp_jax.hierarchy import device_mean, gather_spec, mesh_sizes
-from qsdp_jax.sharding import FlatLayout
+from qsdp_jax.sharding import Buffer, FlatLayout
 
 PyTree = Any
 PURPOSE_GRAD = 2
@@ -87,16 +87,25 @@ class ShardedParams:
         self._config = config
         self._gather = make_gather(gather_spec(config))
 
-    def _key(self, group: str, layer) -> jax.Array:
+    def _key(self, group: str, layer, buffer: Buffer) -> jax.Array:
         gi = self._layout.group_index(group)
-        return qz.derive_key(self._config.seed, PURPOSE_GRAD, self._step, gi, layer)
+        if buffer.index == 0:
+            return qz.derive_key(self._config.seed, PURPOSE_GRAD, self._step, gi, layer)
+        return qz.derive_key(self._config.seed, PURPOSE_GRAD, self._step, gi, layer, buffer.index)
 
-    def _grid_of(self, group: str):
-        """(scales, offsets) of a group's local buffer: (n_buckets,) or (n_layers, n_buckets)."""
-        if self._grid is None:
+    def _gather_buffer(self, buffer: Buffer, shard, grid, key):
+        """One buffer's gather (its gradient's reduce-scatter in the backward), at its bits."""
+        if buffer.bits is None:
+            return self._gather(shard, grid, key)
+        return make_gather(gather_spec(self._config.buffer_config(*buffer.bits)))(shard, grid, key)
+
+    def _grid_of(self, buffer: Buffer):
+        """(scales, offsets) of a buffer's local shard: (n_buckets,) or (n_layers, n_buckets);
+        None without a grid (not ``"qsdp"`` mode, or a policy's full-precision buffer)."""
+        if self._grid is None or buffer.resolved_bits(self._config)[0] is None:
             return None
-        scales, offsets = self._grid[0][group], self._grid[1][group]
-        if not self._layout.group(group).stacked:  # the optimizer keeps 2-D rows: (1, n_buckets)
+        scales, offsets = self._grid[0][buffer.key], self._grid[1][buffer.key]
+        if not buffer.stacked:  # the optimizer keeps 2-D rows: (1, n_buckets)
             scales, offsets = scales.reshape(-1), offsets.reshape(-1)
         return scales, offsets
 
@@ -104,21 +113,24 @@ class ShardedParams:
         g = self._layout.group(group)
         if g.stacked:
             raise ValueError(f"group {group!r} is layer-stacked: read it with scan(), not gather()")
-        flat = None
-        if g.is_sharded:
-            flat = self._gather(self._params["sharded"][group], self._grid_of(group), self._key(group, 0))
+        flat = {
+            b.key: self._gather_buffer(b, self._params["sharded"][b.key], self._grid_of(b), self._key(group, 0, b))
+            for b in g.buffers
+        }
         return self._layout.unflatten_group(group, flat, self._params["replicated"][group])
 
     def scan(self, group, body, init, xs=None, *, remat=True):
         g = self._layout.group(group)
         if not g.stacked:
             raise ValueError(f"group {group!r} is not layer-stacked: read it with gather(), not scan()")
-        shards = self._params["sharded"].get(group)
-        grid = self._grid_of(group) if g.is_sharded else None
+        buffers = g.buffers
+        shards = {b.key: self._params["sharded"][b.key] for b in buffers}
+        grid = {b.key: self._grid_of(b) for b in buffers}
 
         def layer(carry, inputs):
             shard, grid_l, replicated, index, x = inputs
-            flat = self._gather(shard, grid_l, self._key(group, index)) if g.is_sharded else None
+            flat = {b.key: self._gather_buffer(b, shard[b.key], grid_l[b.key], self._key(group, index, b))
+                    for b in buffers}
             return body(carry, self._layout.unflatten_group(group, flat, replicated), x)
 
         if remat:
@@ -135,6 +147,18 @@ def _sharded_mask(params: dict) -> dict:
         "sharded": jax.tree.map(lambda _: True, params["sharded"]),
         "replicated": jax.tree.map(lambda _: False, params["replicated"]),
     }
+
+
+def _context(axis, n: int, params: dict, layout: FlatLayout, config: QSDPConfig):
+    """The optimizer's sharding context; with a bit policy, each leaf's weight bits too."""
+    bits = None
+    if config.bit_policy:
+        by_key = {b.key: b.resolved_bits(config)[0] for b in layout.buffers}
+        bits = tuple(
+            by_key[path[1].key] if path[0].key == "sharded" else None
+            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+        )
+    return qoptim.sharding_context(axis, n, _sharded_mask(params), bits)
 
 
 def _grid_for_step(opt_state, config: QSDPConfig, layout: FlatLayout):
@@ -212,7 +236,8 @@ def _layout(params, mesh: Mesh, config: QSDPConfig, stacked: Sequence[str]) -> F
     if isinstance(stacked, str):
         check_params({}, stacked)
     n, _ = mesh_sizes(mesh, config)
-    layout = FlatLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked)
+    layout = FlatLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked,
+                               config.bit_policy, (config.weight_bits, config.grad_bits))
     warn_padding(layout, config)
     return layout
 
@@ -224,7 +249,7 @@ def _init_fn(layout: FlatLayout, optimizer, mesh: Mesh, config: QSDPConfig):
     specs = layout.specs(axis)
 
     def local_init(p):
-        with qoptim.sharding_context(axis, n, _sharded_mask(p)):
+        with _context(axis, n, p, layout, config):
             opt_state = optimizer.init(p)
             qoptim.check_same_config(opt_state, config)  # also refuses two QSDPStates
             if config.weight_mode == "qsdp":
@@ -280,8 +305,7 @@ def make_train_step(
             "sharded": jax.tree.map(lambda g: g / n_dev, grads["sharded"]),
             "replicated": jax.tree.map(lambda g: device_mean(g, config), grads["replicated"]),
         }
-        mask = _sharded_mask(params)
-        with qoptim.sharding_context(axis, n, mask):
+        with _context(axis, n, params, layout, config):
             finite = qoptim.all_finite(grads)
             updates, new_opt = optimizer.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)

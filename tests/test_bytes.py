@@ -16,7 +16,7 @@ def wire_bytes():
     params = model.init_params(0)
     batch = {"inputs": jnp.zeros((8, 64), jnp.int32), "targets": jnp.zeros((8, 64), jnp.int32)}
     out = {}
-    for cfg in (q.QSDPConfig.fp32(), q.QSDPConfig.bf16(), q.QSDPConfig.qsdp(8, 8), q.QSDPConfig.qsdp(4, 4)):
+    for cfg in map(q.QSDPConfig.from_name, ("fp32", "bf16", "qsdp-W8G8", "qsdp-W4G4")):
         opt = optim.qsdp(optax.adam(1e-3), cfg)
         state = q.init_train_state(params, opt, mesh, cfg, stacked=model.stacked_groups)
         step = q.make_train_step(model.loss, opt, mesh, cfg)

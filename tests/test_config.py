@@ -8,13 +8,14 @@ from qsdp_jax import QSDPConfig
 def test_defaults_are_qsdp_w8g8():
     c = QSDPConfig()
     assert (c.weight_bits, c.grad_bits, c.weight_mode, c.grad_rounding) == (8, 8, "qsdp", "stochastic")
-    assert c.name == "qsdp-W8G8"
+    assert c.name == "qsdp-sr-W8G8"  # names state the weight rounding; stochastic is the default
 
 
 def test_presets_and_names():
     assert QSDPConfig.fp32().name == "fp32"
     assert QSDPConfig.bf16().name == "bf16"
-    assert QSDPConfig.qsdp(4, 4).name == "qsdp-W4G4"
+    assert QSDPConfig.qsdp(4, 4).name == "qsdp-sr-W4G4"
+    assert QSDPConfig.qsdp(4, 4, weight_rounding="shift").name == "qsdp-W4G4"
     assert QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=None).name == "comm-W4GF32"
     assert not QSDPConfig.fp32().quantizes_weights and not QSDPConfig.fp32().quantizes_grads
 
@@ -62,11 +63,20 @@ def test_mode_bits_consistency():
     with pytest.raises(ValueError, match=r"weight_bits=None.*weight_mode='comm'"):
         QSDPConfig(weight_mode="comm", weight_bits=None)
     with pytest.raises(ValueError, match=r"weight_bits=1.*spare level"):
-        QSDPConfig(weight_mode="qsdp", weight_bits=1)
+        QSDPConfig(weight_mode="qsdp", weight_bits=1, weight_rounding="shift")
     # 1-bit weights are allowed when only the all-gather is quantized, or with stochastic rounding.
     assert QSDPConfig(weight_mode="comm", weight_bits=1).weight_bits == 1
-    c = QSDPConfig(weight_bits=1, weight_rounding="stochastic")
+    c = QSDPConfig(weight_bits=1)
     assert c.name == "qsdp-sr-W1G8"
+
+
+def test_default_weight_rounding_is_stochastic():
+    """The safe default (issue 13): stochastic rounding onto the grid; the paper's shift ruins
+    4-bit training and is an explicit choice."""
+    assert QSDPConfig().weight_rounding == "stochastic"
+    assert QSDPConfig.qsdp(4, 4).name == "qsdp-sr-W4G4"
+    assert QSDPConfig.from_name("qsdp-W4G4").weight_rounding == "shift"
+    assert QSDPConfig.from_name("qsdp-sr-W4G4") == QSDPConfig.qsdp(4, 4)
 
 
 @pytest.mark.parametrize(
@@ -82,7 +92,8 @@ def test_from_name_inverts_name(config):
 
 
 def test_from_name_errors_and_shorthand():
-    assert QSDPConfig.from_name("W4G8", bucket_size=256) == QSDPConfig.qsdp(4, 8, bucket_size=256)
+    assert QSDPConfig.from_name("W4G8", bucket_size=256) == QSDPConfig.qsdp(
+        4, 8, bucket_size=256, weight_rounding="shift")
     for bad in ("int8", "qsdp-W9G8", "qsdp-W8", "zero-W8G8"):
         with pytest.raises(ValueError, match="unknown config name"):
             QSDPConfig.from_name(bad)

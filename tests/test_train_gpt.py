@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import qsdp_jax as q
 from experiments import demo
 from experiments import train_gpt as tg
 
@@ -47,7 +48,8 @@ def test_run_writes_metrics_and_learns(run_dir):
 
 def test_run_writes_config_summary_and_plot(run_dir):
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["name"] == "qsdp-W8G8"
+    assert config["name"] == "qsdp-sr-W8G8"  # the default weight rounding: stochastic
+    assert config["qsdp"]["weight_rounding"] == "stochastic"
     assert config["qsdp"]["weight_bits"] == 8 and config["qsdp"]["bucket_size"] == 64
     assert config["model"]["d_model"] == 32 and config["model"]["seq_len"] == 32
     assert config["n_devices"] == 8
@@ -61,6 +63,17 @@ def test_run_writes_config_summary_and_plot(run_dir):
     assert summary["bytes_ratio_vs_fp32"] > 1.5
     png = (run_dir / "loss.png").read_bytes()
     assert len(png) > 1000 and png.startswith(PNG_MAGIC)
+
+
+def test_weight_rounding_flag():
+    from experiments import train_args
+
+    def rounding(*flags):
+        return q.QSDPConfig(**train_args.qsdp_kwargs(train_args.parse_args(list(flags)))).weight_rounding
+
+    assert rounding() == "stochastic"
+    assert rounding("--weight-rounding", "shift") == "shift"
+    assert rounding("--weight-rounding", "stochastic", "--weight-bits", "4") == "stochastic"
 
 
 def test_existing_output_is_not_overwritten(run_dir, capsys):
@@ -96,7 +109,7 @@ def test_overwrite_with_fp32_baseline(run_dir, tmp_path, capsys):
     (["--bf16", "--comm-dtype", "float32"], "--bf16 communicates in bfloat16"),
     (["--fp32", "--bf16"], "not allowed with"),
     (["--weight-bits", "9"], "1..8"),
-    (["--weight-bits", "1"], "weight_bits=1"),
+    (["--weight-bits", "1", "--weight-rounding", "shift"], "weight_bits=1"),
     (["--bucket-size", "100"], "bucket_size=100"),
     (["--d-model", "30", "--n-heads", "4"], "n_heads=4"),
     (["--warmup", "50", "--steps", "10"], "warmup=50"),
