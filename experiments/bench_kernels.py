@@ -1,7 +1,7 @@
 """Throughput of each hot-path pass against a plain device copy of the same bytes.
 
     python -m experiments.bench_kernels [--elements 4194304] [--bucket 1024] [--bits 8 4]
-        [--modes auto] [--repeats 20] [--out experiments/results]
+        [--modes auto] [--repeats 20] [--stages] [--out experiments/results]
 
 Runs on the default backend (no simulated devices). Each pass is what a collective or the
 optimizer runs, through the same dispatch (``QSDPConfig.kernels`` mode; ``auto`` = Pallas on
@@ -17,7 +17,8 @@ fusion of the reference):
 
 Bandwidth is (bytes read + bytes written) / median time; ``vs_copy`` is that as a fraction of
 the copy's bandwidth (the GPU target is >= 0.8), ``time_vs_cast`` the time over the cast's (the
-CPU target for the quantize + pack passes is <= 2). Writes ``kernels_<backend>.json``.
+CPU target for the quantize + pack passes is <= 2). ``--stages`` adds the stages of the
+gradient pass (:func:`stage_passes`). Writes ``kernels_<backend>.json``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", default=["auto"], choices=["auto", "reference", "interpret"])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--stages", action="store_true",
+                   help="also time the stages of grad_quantize_pack (the CPU floor: see stage_passes)")
     args = p.parse_args(argv)
     if args.elements <= 0 or args.elements % (CHUNKS * args.bucket):
         p.error(f"--elements must be a positive multiple of {CHUNKS} * --bucket")
@@ -75,17 +78,15 @@ def passes(n: int, bits: int, bucket: int, mode: str):
                          v.reshape(CHUNKS, -1), bucket=bucket)
 
     def weight_qp(v, s, o):
-        return qk.select(mode, lambda a, s, o: qc.to_payload(qz.quantize_on_grid(a, s, o, bits, bucket)),
-                         lambda a, s, o, target: qc.payload_from_packed(qk.grid_pack(a, s, o, bits, bucket, target=target), s, o),
-                         v, s, o, bucket=bucket)
+        return qc.quantize_payload(v, bits=bits, bucket=bucket, grid=(s, o), kernels=mode)
 
     def unpack(p):
-        return qk.select(mode, lambda a: qc.from_payload(a, n, bits, bucket).dequantize(),
+        return qk.select(mode, lambda a: qc.dequantize_rows(a, n, bits, bucket),
                          lambda a, target: qk.unpack_dequantize(*qc.split_payload(a, n, bits, bucket), bits, bucket, n, target=target),
                          p, bucket=bucket)
 
     def unpack_sum(p):
-        return qk.select(mode, lambda a: qc.sum_rows(qc.from_payload(a, chunk, bits, bucket).dequantize()),
+        return qk.select(mode, lambda a: qc.dequantize_rows(a, chunk, bits, bucket, summed=True),
                          lambda a, target: qk.unpack_dequantize_sum(*qc.split_payload(a, chunk, bits, bucket), bits, bucket, chunk, target=target),
                          p, bucket=bucket)
 
@@ -113,6 +114,34 @@ def passes(n: int, bits: int, bucket: int, mode: str):
     }, payload_chunks
 
 
+def stage_passes(n: int, bucket: int):
+    """The two passes the reference ``grad_quantize_pack`` cannot avoid, each on its own:
+    ``stage_minmax`` (the per-bucket min/max pass over the float32 input) and ``stage_hash``
+    (the counter hash of every element, as ``quantize`` computes it, written as one byte each,
+    without reading the input). Their sum is that pass's floor as XLA:CPU compiles it."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from qsdp_jax import quantizers as qz
+
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    key = qz.derive_key(0, 1)
+    nb = n // bucket
+
+    def minmax(v):
+        return qz.bucket_range(qz.to_buckets(v.reshape(CHUNKS, -1), bucket))
+
+    def hashed(v):
+        counters = lax.iota(jnp.uint32, n).reshape(CHUNKS, -1, bucket)
+        return (qz.hash_uniform(key, counters) * 255.0).astype(jnp.uint8)
+
+    return {
+        "stage_minmax": (jax.jit(minmax), (x,), 4 * n + 8 * nb),
+        "stage_hash": (jax.jit(hashed), (x,), n),
+    }
+
+
 def measure(args) -> dict:
     import jax
     import numpy as np
@@ -120,9 +149,12 @@ def measure(args) -> dict:
     from experiments.timing import time_alternating
 
     rows = []
+    load_before = os.getloadavg()  # the machine may be shared: say how busy it was
     for mode in args.modes:
         for bits in args.bits:
             fns, _ = passes(args.elements, bits, args.bucket, mode)
+            if args.stages and mode != "interpret":
+                fns.update(stage_passes(args.elements, args.bucket))
             calls = {name: (lambda f=f, a=a: f(*a)) for name, (f, a, _) in fns.items()}
             res = time_alternating(calls, repeats=args.repeats, warmup=2, sync=jax.block_until_ready)
             copy_bw = fns["copy"][2] / res["copy"].median
@@ -142,6 +174,7 @@ def measure(args) -> dict:
         "targets": {"gpu_vs_copy": TARGET_GPU_VS_COPY, "cpu_quantize_pack_time_vs_cast": TARGET_CPU_VS_CAST},
         "rows": rows,
         "median_of": args.repeats,
+        "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()},
         "numpy": np.__version__,
     }
 

@@ -293,7 +293,10 @@ def quantize(
         q = jnp.floor(unfused(t, u) + u)
     else:
         q = jnp.round(t)
-    q = jnp.clip(q, 0, top)
+    # Only the top needs a clip: x >= lo >= offset and inv >= 0 make t, hence q, >= 0 or NaN
+    # (NaN reaches the uint8 conversion either way), and a clip at 0 too cost ~10% of this
+    # pass on XLA:CPU. Same bits as jnp.clip(q, 0, top).
+    q = jnp.minimum(q, top)
     codes = q.astype(jnp.uint8).reshape(x.shape)
     return QTensor(codes=codes, scales=scales, offsets=offsets, bits=bits, bucket=bucket)
 
@@ -376,3 +379,30 @@ def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
     one = jnp.uint8(1)
     codes = [_or_all([((g[..., j] >> jnp.uint8(k)) & one) << jnp.uint8(j) for j in range(bits)]) for k in range(8)]
     return jnp.stack(codes, axis=-1).reshape(*lead, m * 8)[..., :n]
+
+
+def unpack_groups(packed: jax.Array, bits: int) -> jax.Array:
+    """:func:`unpack_bits` of whole groups, keeping the group axis: uint8 (..., m) -> codes
+    (..., groups, codes per group), whose row-major flattening is ``unpack_bits(packed, bits,
+    8 * m // bits)``. A group is one byte of ``8 // bits`` codes for 1, 2, 4 and 8 bits, else
+    ``bits`` bytes of 8 codes (``m`` must hold whole groups).
+
+    Every output reads its own group's bytes, contiguous and broadcast along the group axis:
+    XLA:CPU vectorizes that loop, where the flat output of :func:`unpack_bits` (a stack of
+    shifted bytes interleaved by a reshape) compiles to a loop it did not vectorize (8 x 0.5M
+    codes, bucket 1024: 4 bits 2.2 -> 0.6 ms, 3 bits 4.5 -> 1.0 ms, the dequantize included).
+    """
+    _check_bits(bits)
+    m = packed.shape[-1]
+    lead = packed.shape[:-1]
+    if bits == 8:
+        return packed[..., None]
+    if 8 % bits == 0:
+        shifts = jnp.arange(8 // bits, dtype=jnp.uint8) * jnp.uint8(bits)
+        return (packed[..., None] >> shifts) & jnp.uint8((1 << bits) - 1)
+    if m % bits:
+        raise ValueError(f"{m} bytes are not whole groups of {bits} bytes")
+    g = packed.reshape(*lead, m // bits, bits)
+    k = jnp.arange(8, dtype=jnp.uint8)
+    one = jnp.uint8(1)
+    return _or_all([((g[..., j : j + 1] >> k) & one) << jnp.uint8(j) for j in range(bits)])

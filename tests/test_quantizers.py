@@ -137,6 +137,21 @@ def test_pack_roundtrip(bits, n):
     chex.assert_trees_all_equal(qz.unpack_bits(packed, bits, n), codes)
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_unpack_groups_is_unpack_bits_by_group(bits):
+    """The receive's grouped unpacking flattens to unpack_bits, for leading axes of any rank;
+    bit-plane widths refuse bytes that are not whole groups."""
+    codes = jnp.asarray(np.random.default_rng(bits).integers(0, 2**bits, size=(2, 3, 40)), jnp.uint8)
+    packed = qz.pack_bits(codes, bits)
+    groups = qz.unpack_groups(packed, bits)
+    per = 8 // bits if 8 % bits == 0 else 8
+    assert groups.shape == (2, 3, 40 // per, per)
+    chex.assert_trees_all_equal(groups.reshape(2, 3, 40), codes)
+    if 8 % bits:
+        with pytest.raises(ValueError, match="whole groups"):
+            qz.unpack_groups(packed[..., 1:], bits)
+
+
 def _pack_reference(codes: np.ndarray, bits: int) -> np.ndarray:
     """The documented layout, bit by bit in numpy (see the quantizers module docstring)."""
     if bits == 8:
