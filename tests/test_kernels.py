@@ -172,11 +172,13 @@ def test_train_step_with_kernels_repeats_the_reference(mesh):
     chex.assert_trees_all_equal(got_params, want_params)
 
 
+@pytest.mark.parametrize("rounding", ["shift", "stochastic"])
 @pytest.mark.parametrize("platform,marker", [("tpu", "tpu_custom_call"), ("cuda", "__gpu$xla.gpu.triton")])
-def test_train_step_with_kernels_lowers_for(mesh, platform, marker):
+def test_train_step_with_kernels_lowers_for(mesh, platform, marker, rounding):
     """jax.export of the whole QSDP step for TPU / CUDA on this CPU machine: the kernels'
-    custom calls are in the module (projection, snap, quantize+pack, unpack(+sum))."""
-    cfg = q.QSDPConfig.qsdp(8, 4, kernels="pallas", **CFG)
+    custom calls are in the module (projection with either weight rounding, snap,
+    quantize+pack, unpack(+sum))."""
+    cfg = q.QSDPConfig.qsdp(8, 4, kernels="pallas", weight_rounding=rounding, **CFG)
     opt = optim.qsdp(optax.adam(1e-2), cfg)
     state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
     step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
@@ -185,7 +187,7 @@ def test_train_step_with_kernels_lowers_for(mesh, platform, marker):
     exp = jax.export.export(step, platforms=[platform], disabled_checks=checks)(state, batch)
     text = exp.mlir_module()
     names = ["quantize_pack_grid", "quantize_pack_stochastic", "unpack_dequantize_8b",
-             "unpack_dequantize_sum", "project_shift", "project_grid"]
+             "unpack_dequantize_sum", f"project_{rounding}", "project_grid"]
     assert text.count(marker) >= len(names)
     for name in names:
         assert f"qsdp_{name}" in text, name
