@@ -13,7 +13,7 @@ from qsdp_jax import optim
 from qsdp_jax import quantizers as qz
 
 BUCKET = 64
-CFG8 = q.QSDPConfig.qsdp(8, 8, bucket_size=BUCKET, min_shard_size=256)
+CFG8 = q.QSDPConfig.qsdp(8, 8, bucket_size=BUCKET, min_shard_size=256, weight_rounding="shift")
 
 
 def _on_grid(x, st_scales, st_offsets, bits):
@@ -56,7 +56,8 @@ def test_init_and_updates_land_on_the_grid():
 def test_projection_changes_with_count_and_seed_only():
     p = _params()
     a = optim.qsdp(optax.sgd(0.1), CFG8)
-    b = optim.qsdp(optax.sgd(0.1), q.QSDPConfig.qsdp(8, 8, bucket_size=BUCKET, min_shard_size=256, seed=1))
+    b = optim.qsdp(optax.sgd(0.1), q.QSDPConfig.qsdp(8, 8, bucket_size=BUCKET, min_shard_size=256, seed=1,
+                                                             weight_rounding="shift"))
     sa, sb = a.init(p), b.init(p)
     chex.assert_trees_all_equal(sa, a.init(p))  # pure function of (seed, count, position)
     assert not np.array_equal(optim.find_qsdp_state(sa).offsets["w"], optim.find_qsdp_state(sb).offsets["w"])
@@ -74,7 +75,7 @@ def test_weights_are_unbiased_over_shifts():
     target = p["w"] - 0.01 * g["w"]
     outs = []
     for seed in range(400):
-        cfg = q.QSDPConfig.qsdp(3, 8, bucket_size=BUCKET, min_shard_size=1, seed=seed)
+        cfg = q.QSDPConfig.qsdp(3, 8, bucket_size=BUCKET, min_shard_size=1, seed=seed, weight_rounding="shift")
         opt = optim.qsdp(optax.sgd(0.01), cfg)
         u, _ = opt.update(g, opt.init(p), p)
         outs.append(np.asarray(p["w"] + u["w"]))
