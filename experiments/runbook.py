@@ -71,6 +71,10 @@ CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
           weight_bits=8, grad_bits=None, weight_rounding="shift"),
     _spec("qsdp-sr-W8G8-b256", "diagnostic", "256-element buckets",
           weight_bits=8, grad_bits=8, bucket_size=256, **_SR),
+    _spec("qsdp-sr-W4GF32", "diagnostic", "4-bit weights on the grid, fp32 gradients: the weights' share",
+          weight_bits=4, grad_bits=None, **_SR),
+    _spec("full-WF32G4", "diagnostic", "fp32 weights and gather, 4-bit gradients: the gradients' share",
+          **_FP | dict(grad_bits=4)),
     # frontier slots, with today's switches; the levers of issue 13 (compact statistics,
     # Hadamard, error feedback, bit policies) add their configurations here
     _spec("qsdp-sr-W4G4-b256", "frontier", "4 bits, smaller buckets",
