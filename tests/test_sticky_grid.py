@@ -182,3 +182,32 @@ def test_single_device_optax_loop_stays_on_the_kept_grid():
         params = optim.apply_updates(params, updates, state, cfg)
         snapped = optim.snap_to_grid(params, state, cfg)
         np.testing.assert_array_equal(np.asarray(snapped["w"]), np.asarray(params["w"]))
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"], ids=["to-TPU", "to-CUDA"])
+def test_step_with_a_sticky_grid_exports_for_gpu_and_tpu(platform):
+    """``jax.export`` lowers the sticky step (with bf16 stats) for hardware we do not have."""
+    cfg = q.QSDPConfig.qsdp(4, 4, weight_grid="sticky", stats_dtype="bfloat16", **SMALL)
+    mesh = q.make_mesh()
+    opt = _opt(cfg)
+    state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
+    step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), toymodel.batch(0))
+    module = jax.export.export(step, platforms=[platform])(state, batch).mlir_module()
+    assert '"stablehlo.all_gather"' in module and "ui8>" in module
+
+
+def test_two_level_mesh_gathers_losslessly_on_every_device():
+    """On a (node, local) mesh the sticky grid's weights reach all 8 devices bit for bit."""
+    hmesh = q.make_mesh({"node": 2, "local": 4})
+    cfg = q.QSDPConfig.qsdp(4, 4, weight_grid="sticky", axis_name="local", node_axis="node", **SMALL)
+    opt = _opt(cfg)
+    state = q.init_train_state(toymodel.init(0), opt, hmesh, cfg, stacked=toymodel.STACKED)
+    step = q.make_train_step(toymodel.loss_with_weights, opt, hmesh, cfg, has_aux=True, donate=False)
+    for i in range(3):
+        held = q.gather_params(state)
+        state, _, aux = step(state, toymodel.batch(i))
+        for dev in range(8):
+            for name in ("embed", "head", "blocks"):
+                np.testing.assert_array_equal(np.asarray(aux[name][dev]).view(np.uint32),
+                                              np.asarray(held[name]["w"]).view(np.uint32))
