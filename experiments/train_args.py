@@ -134,9 +134,6 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
     qz.add_argument("--stats-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype of the per-bucket scale and offset on the wire (default: float32; "
                     "bfloat16 halves their bytes, needs --weight-rounding stochastic in qsdp mode)")
-    qz.add_argument("--weight-grid", choices=("fresh", "sticky"), default="fresh",
-                    help="qsdp mode with stochastic rounding: a fresh min/max grid per bucket every "
-                    "step (default), or keep a bucket's grid while its values fit it (sticky)")
     qz.add_argument("--bit-policy", type=_bit_policy, default=(), metavar="'PAT=W,G;...'",
                     help="per-leaf bits by parameter path, first match wins: e.g. "
                     "'embed*=8,8' keeps the embeddings at 8-bit weights and gradients (bits 1..8 "
@@ -186,15 +183,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _lever_kwargs(args: argparse.Namespace) -> dict:
-    """``grad_rotation`` / ``stats_dtype`` / ``weight_grid`` when their flags are given (absent when off, so the
+    """``grad_rotation`` / ``stats_dtype`` when their flags are given (absent when off, so the
     kwargs of every other run stay what they were)."""
     out = {}
     if getattr(args, "grad_rotation", None) is not None:
         out["grad_rotation"] = args.grad_rotation
     if getattr(args, "stats_dtype", "float32") != "float32":
         out["stats_dtype"] = args.stats_dtype
-    if getattr(args, "weight_grid", "fresh") != "fresh":
-        out["weight_grid"] = args.weight_grid
     return out
 
 

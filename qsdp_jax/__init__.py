@@ -9,7 +9,6 @@ from qsdp_jax import kernels  # noqa: F401  (``qsdp_jax.kernels``: Pallas hot pa
 from qsdp_jax import nnx  # noqa: F401  (the Flax NNX front door: ``qsdp_jax.nnx.init_state``)
 from qsdp_jax import rotation  # noqa: F401  (``QSDPConfig.grad_rotation``: blockwise Hadamard)
 from qsdp_jax import policy  # noqa: F401  (per-leaf bits: ``QSDPConfig.bit_policy``'s paths and patterns)
-from qsdp_jax import sticky_grid  # noqa: F401  (``QSDPConfig.weight_grid="sticky"``)
 from qsdp_jax.access import LocalParams, ParamAccess
 from qsdp_jax.collectives import (
     GatherSpec,
@@ -73,8 +72,6 @@ __all__ = [
     "quantized_all_gather",
     "quantized_reduce_scatter",
     "reduce_scatter_fp",
-    "rotation",
-    "sticky_grid",
     "two_level_all_gather",
     "two_level_reduce_scatter",
     "unpack_bits",

@@ -19,7 +19,6 @@ GRAD_ROUNDINGS = ("stochastic", "nearest")
 FP_COMM_DTYPES = ("float32", "bfloat16")
 KERNEL_MODES = ("auto", "pallas", "reference", "interpret")
 STATS_DTYPES = ("float32", "bfloat16")
-WEIGHT_GRIDS = ("fresh", "sticky")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +43,6 @@ class QSDPConfig:
         are unbiased, but the shift's noise does not shrink with the update while stochastic
         rounding's does: at 4 bits the shift ruins training (README, "Choosing bits", has the
         measured cost), at 8 bits the two are alike.
-      weight_grid: with stochastic rounding in ``"qsdp"`` mode, ``"fresh"`` (the default): a
-        new min/max grid per bucket every step; ``"sticky"``: a bucket keeps its grid while its
-        updated values still fit it, so weights that did not move are not re-rounded (see
-        ``qsdp_jax.sticky_grid``).
       grad_rounding: ``"stochastic"`` (unbiased, the default) or ``"nearest"`` (biased).
       min_shard_size: leaves with fewer elements (per layer, for layer-stacked groups) stay
         full precision and replicated on every device: biases, norm scales.
@@ -108,7 +103,6 @@ class QSDPConfig:
     kernels: str = "auto"
     grad_rotation: int | None = None
     stats_dtype: str = "float32"
-    weight_grid: str = "fresh"
     bit_policy: tuple[tuple[str, int | None, int | None], ...] = ()
 
     def __post_init__(self):
@@ -154,7 +148,7 @@ class QSDPConfig:
         self._check_policy()
 
     def _check_levers(self):
-        """Validate ``grad_rotation``, ``stats_dtype`` and ``weight_grid``."""
+        """Validate ``grad_rotation`` and ``stats_dtype``."""
         r = self.grad_rotation
         if r is not None:
             if isinstance(r, bool) or not isinstance(r, int) or r < 2 or r & (r - 1):
@@ -176,12 +170,6 @@ class QSDPConfig:
             if self.outer_axis is not None:
                 _fail("stats_dtype", self.stats_dtype, "'float32' on a two-level mesh (node_axis / "
                       "replica_axis): compact statistics are implemented for 1-D meshes only")
-        _check_choice("weight_grid", self.weight_grid, WEIGHT_GRIDS)
-        if self.weight_grid == "sticky" and (self.weight_mode != "qsdp" or self.weight_rounding != "stochastic"):
-            _fail("weight_grid", self.weight_grid,
-                  "'fresh' unless weight_mode='qsdp' and weight_rounding='stochastic' (only weights "
-                  f"kept on a grid have one to keep; got weight_mode={self.weight_mode!r}, "
-                  f"weight_rounding={self.weight_rounding!r}: the shift draws a new grid each step)")
 
     def _check_policy(self):
         """Validate ``bit_policy`` (lists are accepted and stored as tuples: hashable)."""
@@ -375,10 +363,9 @@ class QSDPConfig:
         return f"{mode}-{w}{g}{self._level_suffix()}{self._lever_suffix()}{self._policy_suffix()}"
 
     def _lever_suffix(self) -> str:
-        """``-rot64`` / ``-bf16stats`` / ``-sticky`` when those switches are on (empty when off)."""
+        """``-rot64`` / ``-bf16stats`` when those switches are on (empty when off)."""
         out = f"-rot{self.grad_rotation}" if self.grad_rotation is not None else ""
-        out += "-bf16stats" if self.stats_dtype == "bfloat16" else ""
-        return out + ("-sticky" if self.weight_grid == "sticky" else "")
+        return out + ("-bf16stats" if self.stats_dtype == "bfloat16" else "")
 
     def _policy_suffix(self) -> str:
         """``-pW8G8`` per distinct bits of the policy's rules (patterns are not in the name:

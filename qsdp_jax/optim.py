@@ -37,7 +37,6 @@ from jax import lax
 from qsdp_jax import kernels as qk
 from qsdp_jax import policy
 from qsdp_jax import quantizers as qz
-from qsdp_jax import sticky_grid
 from qsdp_jax.config import QSDPConfig
 
 PyTree = Any
@@ -167,18 +166,12 @@ def _empty():
     return jnp.zeros((0,), jnp.float32)
 
 
-def _project_leaf(x, geo, config, key, ctx, bits, kept=None):
+def _project_leaf(x, geo, config, key, ctx, bits):
     """A fresh ``bits``-bit grid from the values of ``x`` (random shift, or stochastic rounding
-    per ``config.weight_rounding``), or with ``weight_grid="sticky"`` the ``kept`` grid
-    (scales, offsets) where it still fits; returns (projected x, scales, offsets)."""
+    per ``config.weight_rounding``); returns (projected x, scales, offsets)."""
     rows = _as_rows(x, geo)
     ids = _bucket_ids(geo, config.bucket_size, ctx)
     bucket, rounding = config.bucket_size, config.weight_rounding
-    if config.weight_grid == "sticky":  # (init passes empty grids: a first one, with headroom)
-        kept = kept if kept is not None and kept[0].size else (None, None)
-        qt = sticky_grid.quantize_sticky(rows, bits, bucket, key, *kept, bucket_ids=ids,
-                                         stats_dtype=config.stats_dtype)
-        return _from_rows(qt.dequantize(), x, geo), qt.scales, qt.offsets
 
     sd = config.stats_dtype  # bf16 grids come from the reference (the kernel writes float32 stats)
     kernels = config.kernels if sd == "float32" else "reference"
@@ -208,8 +201,7 @@ def _project_leaves(values, mask, count, config, ctx, old_scales, old_offsets, b
             out_o.append(old_offsets[i])
             continue
         key = qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i)
-        geo = _geometry(x, ctx is not None, config.bucket_size)
-        v, sc, off = _project_leaf(x, geo, config, key, ctx, b, (old_scales[i], old_offsets[i]))
+        v, sc, off = _project_leaf(x, _geometry(x, ctx is not None, config.bucket_size), config, key, ctx, b)
         out_v.append(v)
         out_s.append(sc)
         out_o.append(off)

@@ -240,22 +240,6 @@ def unfused(product: jax.Array, guard: jax.Array) -> jax.Array:
     return jnp.where(guard < 0, guard, product)
 
 
-def grid_stats(lo: jax.Array, hi: jax.Array, intervals: int, stats_dtype: str = "float32"):
-    """``(scales, offsets)`` of the grid of ``intervals`` steps over ``[lo, hi]`` per bucket:
-    float32 scales rounded up to 16 significant bits, or bf16 values (:func:`bf16_stats`)."""
-    if stats_dtype != "float32":
-        return bf16_stats(lo, hi, intervals)
-    return round_scale_up((hi - lo) / jnp.float32(intervals)), lo
-
-
-def stochastic_floor(t: jax.Array, key: jax.Array, bucket_ids: jax.Array, bucket: int) -> jax.Array:
-    """``floor(t + u)`` for ``t`` (..., n // bucket, bucket) in grid steps, ``u`` uniform from the
-    counter hash of ``(key, bucket id * bucket + position)``: unbiased rounding to an integer."""
-    counters = bucket_ids[..., None] * jnp.uint32(bucket) + jnp.arange(bucket, dtype=jnp.uint32)
-    u = hash_uniform(key, counters)
-    return jnp.floor(unfused(t, u) + u)
-
-
 def quantize(
     x: jax.Array,
     bits: int,
@@ -290,7 +274,9 @@ def quantize(
     lo, hi = bucket_range(xb)
     top = levels(bits)
     intervals = top - 1 if rounding == "shift" else top
-    scales, lo = grid_stats(lo, hi, intervals, stats_dtype)
+    scales = round_scale_up((hi - lo) / jnp.float32(intervals))
+    if stats_dtype != "float32":
+        scales, lo = bf16_stats(lo, hi, intervals)
     exact = scales == 0  # constant bucket: code 0 at offset lo
     if bucket_ids is None:
         bucket_ids = default_bucket_ids(x.shape, bucket)
@@ -302,7 +288,9 @@ def quantize(
     inv = _inverse(scales)[..., None]
     t = (xb - offsets[..., None]) * inv
     if rounding == "stochastic":
-        q = stochastic_floor(t, key, bucket_ids, bucket)
+        counters = bucket_ids[..., None] * jnp.uint32(bucket) + jnp.arange(bucket, dtype=jnp.uint32)
+        u = hash_uniform(key, counters)
+        q = jnp.floor(unfused(t, u) + u)
     else:
         q = jnp.round(t)
     # Only the top needs a clip: x >= lo >= offset and inv >= 0 make t, hence q, >= 0 or NaN
