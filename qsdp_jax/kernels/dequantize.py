@@ -3,7 +3,7 @@
 * :func:`unpack_dequantize`: packed codes + per-bucket scales/offsets -> float32 (after the
   all-gather); equals ``qz.dequantize(qz.unpack_bits(...), ...)`` bit for bit.
 * :func:`unpack_dequantize_sum`: the same for the N chunks received by the reduce-scatter,
-  summed in float32 in the order of ``collectives.sum_rows`` (pairwise halving), so the result
+  summed in float32 in the order of ``payload.sum_rows`` (pairwise halving), so the result
   equals the reference bit for bit.
 """
 
@@ -31,7 +31,7 @@ def _dequantize_kernel(p_ref, s_ref, o_ref, out_ref, *, bits):
 
 
 def pairwise_sum(parts: list):
-    """``collectives.sum_rows`` on a list: the same additions in the same order."""
+    """``payload.sum_rows`` on a list: the same additions in the same order."""
     while len(parts) > 1:
         half = len(parts) // 2
         summed = [parts[i] + parts[half + i] for i in range(half)]

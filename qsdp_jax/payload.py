@@ -1,0 +1,160 @@
+"""The wire format of one quantized buffer, and its receive side.
+
+One uint8 payload per :class:`~qsdp_jax.quantizers.QTensor`: ``[packed codes | scales bytes |
+offsets bytes]`` (the stats as float32, or bfloat16 with ``stats_dtype="bfloat16"``), built by
+:func:`to_payload` (or the Pallas packing through :func:`payload_kernels`) and read back by
+:func:`from_payload`. :func:`dequantize_rows` dequantizes (and with ``summed`` sums, in the
+order of :func:`sum_rows`) the payloads every sender sent. :func:`cpu_boundary` is the XLA:CPU
+fusion boundary that keeps the payload build and the receive fast there. The collectives in
+:mod:`qsdp_jax.collectives` move these payloads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qsdp_jax import quantizers as qz
+
+def payload_size(n: int, bits: int, bucket: int, stats_dtype: str = "float32") -> int:
+    """Bytes of the payload of ``n`` elements: packed codes plus a scale and an offset per
+    bucket (``stats_dtype``: float32, 8 bytes per bucket, or bfloat16, 4)."""
+    return qz.packed_size(n, bits) + stat_bytes(stats_dtype) * (n // bucket)
+
+
+def stat_bytes(stats_dtype: str) -> int:
+    """Bytes of one bucket's (scale, offset) on the wire: 8 (float32) or 4 (bfloat16)."""
+    if stats_dtype not in qz.STATS_DTYPES:
+        raise ValueError(f"stats_dtype={stats_dtype!r} is invalid: must be one of {qz.STATS_DTYPES}")
+    return 8 if stats_dtype == "float32" else 4
+
+
+def cpu_boundary(fn, *args):
+    """``fn(*args)``, compiled in kernels of its own on CPU; inline on GPU/TPU.
+
+    XLA:CPU fuses greedily, and two of its choices cost several times the work here: a
+    quantizer fused into the packing loop recomputes codes with their per-bucket broadcasts
+    for every output byte (the reduce-scatter of 8 x 3.3M elements took 60 ms at 4 bits and
+    112 ms at 3 bits fused, 20 and 21 ms split), and a loop fusion loops over its *root's*
+    shape, so a fusion ending in a flat ``(..., n)`` reshape of per-bucket work recomputes the
+    bucket index and reloads the bucket's scale and offset for every vector of elements, where
+    a root shaped ``(..., n // bucket, bucket)`` keeps them in registers over a bucket. XLA:CPU
+    removes ``optimization_barrier`` before fusion, so the boundary is a ``lax.cond`` whose two
+    branches are both ``fn``: the result is the same whatever the predicate, which is read from
+    the data (the first element of the first argument) only so that XLA cannot fold the
+    conditional away. Both branches compile to the same kernels. Callers pass bucketed
+    operands and let ``fn`` return bucketed results (:func:`payload_kernels`,
+    :func:`dequantize_rows`). GPU/TPU fusions need none of this.
+    """
+
+    def split(*a):
+        return lax.cond(a[0].reshape(-1)[0] == 0, fn, fn, *a)
+
+    return lax.platform_dependent(*args, cpu=split, default=fn)
+
+
+def to_payload(qt: qz.QTensor, split: bool = False, stats_dtype: str = "float32") -> jax.Array:
+    """QTensor (..., n) -> uint8 (..., payload_size(n)); ``split``: build it behind
+    :func:`payload_kernels`."""
+    if split:
+        return payload_kernels(qt, stats_dtype)
+    return payload_from_packed(qz.pack_bits(qt.codes, qt.bits), qt.scales, qt.offsets, stats_dtype)
+
+
+def payload_kernels(qt: qz.QTensor, stats_dtype: str = "float32") -> jax.Array:
+    """``to_payload(qt)`` behind :func:`cpu_boundary`, which receives the codes by bucket.
+
+    The quantizer's fusion then ends in bucketed codes and the packing and the payload's
+    assembly run in kernels of their own. Measured with ``experiments/bench_kernels.py``'s
+    passes (4M elements, bucket 1024, 2 busy cores, CPU time): the 8-bit stochastic quantize +
+    payload 5.2 -> 4.5 ms against a flat boundary-free build; the 4-bit weight grid pack 5.6 ->
+    1.6 ms against the inline build. Same bytes. The all-gather uses it for packed codes only
+    (an 8-bit grid payload is one fused pass without it).
+    """
+    lead, n = qt.codes.shape[:-1], qt.codes.shape[-1]
+
+    def build(codes, scales, offsets):
+        return payload_from_packed(qz.pack_bits(codes.reshape(*lead, n), qt.bits), scales, offsets, stats_dtype)
+
+    return cpu_boundary(build, qz.to_buckets(qt.codes, qt.bucket), qt.scales, qt.offsets)
+
+
+def payload_from_packed(packed: jax.Array, scales: jax.Array, offsets: jax.Array,
+                        stats_dtype: str = "float32") -> jax.Array:
+    """``[packed codes | scales bytes | offsets bytes]``: the payload of already packed codes.
+
+    ``stats_dtype="bfloat16"``: the stats are sent as bf16 (2 bytes each); they must already
+    be bf16 values (``qz.quantize(..., stats_dtype="bfloat16")`` makes them so), so the cast
+    is exact."""
+    stats = jnp.concatenate([scales, offsets], axis=-1)  # one bitcast for both
+    if stat_bytes(stats_dtype) == 4:
+        stats = lax.bitcast_convert_type(stats.astype(jnp.bfloat16), jnp.uint16)
+    stat_bytes_ = lax.bitcast_convert_type(stats, jnp.uint8).reshape(*stats.shape[:-1], -1)
+    return jnp.concatenate([packed, stat_bytes_], axis=-1)
+
+
+def split_payload(payload: jax.Array, n: int, bits: int, bucket: int, stats_dtype: str = "float32"):
+    """Inverse of :func:`payload_from_packed`: ``(packed codes, scales, offsets)``, stats float32."""
+    p = qz.packed_size(n, bits)
+    nb = n // bucket
+    lead = payload.shape[:-1]
+    if payload.shape[-1] != payload_size(n, bits, bucket, stats_dtype):
+        raise ValueError(f"payload of {payload.shape[-1]} bytes does not hold {n} codes of {bits} bits "
+                         f"with {stats_dtype} stats")
+    if stat_bytes(stats_dtype) == 4:
+        half = lax.bitcast_convert_type(payload[..., p:].reshape(*lead, 2 * nb, 2), jnp.uint16)
+        stats = lax.bitcast_convert_type(half, jnp.bfloat16).astype(jnp.float32)
+    else:
+        stats = lax.bitcast_convert_type(payload[..., p:].reshape(*lead, 2 * nb, 4), jnp.float32)
+    return payload[..., :p], stats[..., :nb], stats[..., nb:]
+
+
+def from_payload(payload: jax.Array, n: int, bits: int, bucket: int, stats_dtype: str = "float32") -> qz.QTensor:
+    """Inverse of :func:`to_payload`."""
+    packed, scales, offsets = split_payload(payload, n, bits, bucket, stats_dtype)
+    codes = qz.unpack_bits(packed, bits, n)
+    return qz.QTensor(codes=codes, scales=scales, offsets=offsets, bits=bits, bucket=bucket)
+
+
+def dequantize_rows(payloads: jax.Array, n: int, bits: int, bucket: int, summed: bool = False,
+                    stats_dtype: str = "float32") -> jax.Array:
+    """The jnp receive: payloads ``(..., payload)`` of ``n`` elements each -> float32
+    ``(..., n)``, or with ``summed`` the :func:`sum_rows` of the leading axis, ``(n,)``.
+
+    Behind :func:`cpu_boundary`, whose branches return the values by bucket and by packing
+    group (:func:`qz.unpack_groups`): the unpack + dequantize (+ sum) loop then holds each
+    bucket's scale and offset in registers and reads contiguous bytes (4M elements, bucket
+    1024, 2 busy cores, CPU time: the 8-bit sum of 8 chunks 2.9 -> 0.3 ms, 4-bit 4.5 -> 2.2
+    ms with the bucketed boundary alone; the 8-bit gather 2.3 -> 0.8 ms; 4-bit 2.2 -> 0.6 ms and
+    3-bit 4.5 -> 1.0 ms with the groups). Same bits as ``from_payload(...).dequantize()``.
+    """
+
+    def values(p):
+        packed, scales, offsets = split_payload(p, n, bits, bucket, stats_dtype)
+        codes = qz.unpack_groups(packed.reshape(*packed.shape[:-1], n // bucket, -1), bits)
+        v = offsets[..., None, None] + codes.astype(jnp.float32) * scales[..., None, None]
+        return sum_rows(v) if summed else v  # (..., buckets, groups, codes per group)
+
+    if bucket % 8:  # buckets that do not pack into whole bytes: the flat unpacking
+        v = from_payload(payloads, n, bits, bucket, stats_dtype).dequantize()
+        return sum_rows(v) if summed else v
+    out = cpu_boundary(values, payloads)
+    return out.reshape(*out.shape[:-3], n)
+
+
+def sum_rows(parts: jax.Array) -> jax.Array:
+    """Sum ``parts`` (N, ...) over its leading axis by pairwise halving.
+
+    The same sum as ``jnp.sum(parts, axis=0)`` up to the order of the additions (pairwise, which
+    is at least as accurate), but each level is one elementwise add of two contiguous halves.
+    XLA:CPU lowers a reduction over the *major* axis of a fused producer to a strided loop that
+    was measured 3-4x slower than the whole quantize + dequantize around it (8 x 3.3M elements:
+    88 ms against 27 ms with this).
+    """
+    while parts.shape[0] > 1:
+        n = parts.shape[0]
+        half = n // 2
+        summed = parts[:half] + parts[half : 2 * half]
+        parts = jnp.concatenate([summed, parts[2 * half :]], axis=0) if n % 2 else summed
+    return parts[0]
