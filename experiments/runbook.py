@@ -91,6 +91,8 @@ CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
     _spec("qsdp-sr-W3G3-rot64", "frontier", "", weight_bits=3, grad_bits=3, grad_rotation=64, **_SR),
     _spec("qsdp-sr-W4G4-b256-bf16stats", "frontier", "bf16 scale/offset, 256-element buckets",
           weight_bits=4, grad_bits=4, bucket_size=256, stats_dtype="bfloat16", **_SR),
+    _spec("qsdp-sr-W4G4-b64-bf16stats", "frontier", "how far smaller buckets go: 64 elements",
+          weight_bits=4, grad_bits=4, bucket_size=64, stats_dtype="bfloat16", **_SR),
     _spec("qsdp-sr-W3G3-b256-bf16stats-rot64", "frontier", "both levers, 256-element buckets",
           weight_bits=3, grad_bits=3, bucket_size=256, stats_dtype="bfloat16", grad_rotation=64, **_SR),
     _spec("comm-W4G2-rot64", "frontier", "2-bit gradients with the rotation",
