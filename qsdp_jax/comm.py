@@ -66,6 +66,7 @@ from qsdp_jax.hlo_reader import (  # noqa: F401  (DTYPE_BITS, KINDS: part of thi
     parse_module,
     parse_replica_groups,
 )
+from qsdp_jax import comm_table
 from qsdp_jax.hlo_sites import CollectiveSite, collective_sites
 
 __all__ = [
@@ -187,49 +188,7 @@ class CommReport:
 
     def table(self, per_op: bool = False) -> str:
         """A text table of wire bytes per (kind, dtype), or per instruction with ``per_op``."""
-        total = self.total_bytes
-        if per_op:
-            header = ("computation/name", "kind", "dtype", "N", "count", "payload B", "wire B")
-            rows = [
-                (
-                    f"{c.computation}/{c.name}",
-                    c.kind,
-                    c.dtype,
-                    str(c.group_size),
-                    str(c.count) + ("" if c.trip_count_known else "?"),
-                    str(c.payload_bytes),
-                    _fmt_num(c.bytes_on_wire),
-                )
-                for c in self.collectives
-            ]
-            last = ("total", "", "", "", "", "", _fmt_num(total))
-            left = 3
-        else:
-            header = ("kind", "dtype", "ops", "calls/step", "wire B/step", "")
-            agg: dict[tuple[str, str], list] = {}
-            for c in self.collectives:
-                a = agg.setdefault((c.kind, c.dtype), [0, 0, 0.0])
-                a[0] += 1
-                a[1] += c.count
-                a[2] += c.bytes_on_wire
-            rows = [
-                (k, d, str(n), str(calls), _fmt_num(b), _human(b))
-                for (k, d), (n, calls, b) in sorted(agg.items())
-            ]
-            last = ("total", "", "", "", _fmt_num(total), _human(total))
-            left = 2
-        widths = [max(len(r[i]) for r in (header, *rows, last)) for i in range(len(header))]
-
-        def line(r: tuple[str, ...]) -> str:
-            cells = (
-                x.ljust(w) if i < left else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths))
-            )
-            return "  ".join(cells).rstrip()
-
-        sep = "-" * len(line(header))
-        out = [line(header), sep, *(line(r) for r in rows), sep, line(last)]
-        out += [f"warning: {w}" for w in self.warnings]
-        return "\n".join(out)
+        return comm_table.format_table(self, per_op)
 
 
 def axes_spanned(groups: Any, mesh: Any) -> tuple[str, ...]:
@@ -266,17 +225,6 @@ def _mesh_sizes(mesh: Any, num_devices: int | None) -> dict[str, int]:
         raise ValueError(f"the mesh {sizes} has {total} devices but the program ran on "
                          f"{num_devices}")
     return sizes
-
-
-def _fmt_num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:.2f}"
-
-
-def _human(x: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if x >= scale:
-            return f"{x / scale:.2f} {unit}"
-    return f"{_fmt_num(x)} B"
 
 
 # ----------------------------------------------------------------------------------------------
