@@ -75,6 +75,8 @@ CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
           weight_bits=4, grad_bits=None, **_SR),
     _spec("full-WF32G4", "diagnostic", "fp32 weights and gather, 4-bit gradients: the gradients' share",
           **_FP | dict(grad_bits=4)),
+    _spec("full-WF32G2-rot64", "diagnostic", "fp32 weights, 2-bit rotated gradients: what 2-bit gradients cost",
+          **_FP | dict(grad_bits=2, grad_rotation=64)),
     # frontier slots, with today's switches; the levers of issue 13 (compact statistics,
     # Hadamard, error feedback, bit policies) add their configurations here
     _spec("qsdp-sr-W4G4-b256", "frontier", "4 bits, smaller buckets",
