@@ -133,7 +133,7 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
                     "quantizing (a power of 2 dividing --bucket-size; default: off)")
     qz.add_argument("--stats-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype of the per-bucket scale and offset on the wire (default: float32; "
-                    "bfloat16 halves their bytes, needs --weight-rounding stochastic in qsdp mode)")
+                    "bfloat16 halves their bytes; comm and full weight modes only)")
     qz.add_argument("--bit-policy", type=_bit_policy, default=(), metavar="'PAT=W,G;...'",
                     help="per-leaf bits by parameter path, first match wins: e.g. "
                     "'embed*=8,8' keeps the embeddings at 8-bit weights and gradients (bits 1..8 "

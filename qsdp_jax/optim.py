@@ -172,12 +172,10 @@ def _project_leaf(x, geo, config, key, ctx, bits):
     rows = _as_rows(x, geo)
     ids = _bucket_ids(geo, config.bucket_size, ctx)
     bucket, rounding = config.bucket_size, config.weight_rounding
-
-    sd = config.stats_dtype  # bf16 grids come from the reference (the kernel writes float32 stats)
-    kernels = config.kernels if sd == "float32" else "reference"
+    kernels = config.kernels  # float32 grids: QSDPConfig refuses bf16 stats with on-grid weights
 
     def reference(r, k, i):
-        qt = qz.quantize(r, bits, bucket, rounding, k, bucket_ids=i, stats_dtype=sd)
+        qt = qz.quantize(r, bits, bucket, rounding, k, bucket_ids=i)
         return qt.dequantize(), qt.scales, qt.offsets
 
     def kernel(r, k, i, target):

@@ -21,7 +21,8 @@ Conventions (shared by the Pallas kernels, the collectives and the optimizer):
       error <= ``s / 2``. Needs ``bits >= 2``.
   A bucket whose values are all equal gets ``scale = 0`` and ``offset = lo``: exact.
 * Compact stats (``stats_dtype="bfloat16"``, :func:`bf16_stats`): offset rounded down and scale
-  up to bf16 values that still cover the bucket, so the stats travel as 2 bytes each.
+  up to bf16 values that still cover the bucket, so the stats travel as 2 bytes each. Such a
+  grid reaches past ``[lo, hi]``: fine for one-shot quantization, not for values kept on it.
 * Randomness is a counter-based hash of ``(key, counter)`` (:func:`hash_uniform`), computed
   identically in jnp and in Pallas kernels: elements use ``bucket_id * bucket + position`` as
   counter, bucket shifts use ``bucket_id``. Callers pass *global* bucket ids, so the same

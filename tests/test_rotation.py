@@ -182,7 +182,7 @@ def test_trainer_flags_set_both_switches_and_stay_absent_when_off():
     from experiments import train_args
 
     on = train_args.qsdp_kwargs(train_args.parse_args(
-        ["--grad-rotation", "64", "--stats-dtype", "bfloat16", "--weight-rounding", "stochastic"]))
+        ["--grad-rotation", "64", "--stats-dtype", "bfloat16", "--weight-mode", "comm", "--weight-bits", "4"]))
     cfg = q.QSDPConfig(**on)
     assert (cfg.grad_rotation, cfg.stats_dtype) == (64, "bfloat16")
     off = train_args.qsdp_kwargs(train_args.parse_args([]))
@@ -195,8 +195,8 @@ def test_trainer_flags_set_both_switches_and_stay_absent_when_off():
 def test_both_switches_export_for_gpu_and_tpu(platform):
     """``jax.export`` lowers the step with both switches for hardware we do not have; the
     Hadamard products ask for full float32 precision."""
-    cfg = q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", grad_rotation=64, stats_dtype="bfloat16",
-                            **SMALL)
+    cfg = q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, grad_rotation=64, stats_dtype="bfloat16",
+                       **SMALL)
     mesh = q.make_mesh()
     opt = optim.qsdp(optax.adam(1e-2), cfg)
     state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
@@ -208,8 +208,8 @@ def test_both_switches_export_for_gpu_and_tpu(platform):
 
 
 def test_bit_policy_buffers_keep_the_switches_and_drop_rotation_for_fp_gradients():
-    cfg = q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", grad_rotation=16, stats_dtype="bfloat16",
-                            bit_policy=(("embed/*", 8, 8), ("head/*", 8, None)), **SMALL)
+    cfg = q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, grad_rotation=16, stats_dtype="bfloat16",
+                       bit_policy=(("embed/*", 8, 8), ("head/*", 8, None)), **SMALL)
     assert cfg.buffer_config(8, 8).grad_rotation == 16
     assert cfg.buffer_config(8, 8).stats_dtype == "bfloat16"
     assert cfg.buffer_config(8, None).grad_rotation is None
