@@ -10,6 +10,11 @@ import dataclasses
 import re
 from typing import Literal
 
+from qsdp_jax.config_checks import check_bits as _check_bits
+from qsdp_jax.config_checks import check_choice as _check_choice
+from qsdp_jax.config_checks import check_int as _check_int
+from qsdp_jax.config_checks import fail as _fail
+
 WeightMode = Literal["qsdp", "comm", "full"]
 Rounding = Literal["stochastic", "nearest"]
 
@@ -393,25 +398,3 @@ class QSDPConfig:
 
 _NAME = re.compile(r"(?:(qsdp-sr|qsdp|comm|full)-)?W([1-8]|F32|BF16)G([1-8]|F32|BF16)")
 
-
-def _fail(field: str, value, allowed: str):
-    raise ValueError(f"QSDPConfig.{field}={value!r} is invalid: must be {allowed}")
-
-
-def _check_int(field: str, value, *, minimum: int):
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(field, value, f"an integer >= {minimum}")
-    if value < minimum:
-        _fail(field, value, f"an integer >= {minimum}")
-
-
-def _check_bits(field: str, value):
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
-        _fail(field, value, "None (full precision) or an integer in 1..8")
-
-
-def _check_choice(field: str, value, choices):
-    if value not in choices:
-        _fail(field, value, f"one of {', '.join(repr(c) for c in choices)}")
