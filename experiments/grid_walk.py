@@ -6,7 +6,8 @@ points, so rounding never widens the range. With bf16 statistics (``stats_dtype=
 the grid is rounded outward to bf16 values and reaches past the bucket's range; stochastic
 rounding puts weights on those outer points, the next step's range is wider, and so on: the
 range ratchets outward and the grid coarsens. ``comm`` mode quantizes a float32 master copy
-afresh each step (nothing is iterated), so its range does not grow.
+afresh each step (nothing is iterated), so its range does not grow. ``qsdp/lattice`` is an idea
+tried here only (:func:`lattice_project`).
 
 Each step adds an Adam-like update (``lr * sign(0.3 * drift + noise)``, per-coordinate) to the
 weights; the table reports, against the same walk without quantization, the mean bucket range
@@ -21,7 +22,26 @@ import argparse
 import json
 from pathlib import Path
 
-MODES = (("qsdp", "float32"), ("qsdp", "bfloat16"), ("comm", "bfloat16"))
+MODES = (("qsdp", "float32"), ("qsdp", "bfloat16"), ("comm", "bfloat16"), ("qsdp", "lattice"))
+
+
+def lattice_project(x, bits: int, bucket: int, key):
+    """An idea simulated, not built: stochastic rounding onto a lattice grid, whose scale is a
+    power of 2 and whose offset a multiple of it, so consecutive grids are aligned and a weight
+    that did not move is never re-rounded (the price: a step up to 2x the min/max grid's)."""
+    import jax.numpy as jnp
+
+    from qsdp_jax import quantizers as qz
+
+    top = 2**bits - 1
+    xb = x.reshape(-1, bucket)
+    lo, hi = xb.min(axis=1), xb.max(axis=1)
+    s = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum((hi - lo) / top, 1e-30))))
+    s = jnp.where(jnp.floor(lo / s) * s + top * s < hi, 2 * s, s)  # the aligned offset may cost a step
+    off = jnp.floor(lo / s) * s
+    u = qz.hash_uniform(key, jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape))
+    q = jnp.minimum(jnp.floor((xb - off[:, None]) / s[:, None] + u), top)
+    return (off[:, None] + q * s[:, None]).reshape(x.shape)
 
 
 def walk(mode: str, stats: str, bits: int, bucket: int, steps: int, lr: float, rows: int = 64,
@@ -36,7 +56,10 @@ def walk(mode: str, stats: str, bits: int, bucket: int, steps: int, lr: float, r
     exact = (rng.normal(size=(rows, bucket)) * 0.02).astype(np.float32)
     drift = rng.normal(size=exact.shape).astype(np.float32)
     rounding = "stochastic" if mode == "qsdp" else "nearest"
-    project = jax.jit(lambda x, k: qz.quantize(x, bits, bucket, rounding, k, stats_dtype=stats).dequantize())
+    if stats == "lattice":
+        project = jax.jit(lambda x, k: lattice_project(x, bits, bucket, k))
+    else:
+        project = jax.jit(lambda x, k: qz.quantize(x, bits, bucket, rounding, k, stats_dtype=stats).dequantize())
     held, out = np.asarray(project(exact, qz.derive_key(1, 0))), {}
     for t in range(1, steps + 1):
         u = lr * np.sign(0.3 * drift + rng.normal(size=exact.shape)).astype(np.float32)
