@@ -59,7 +59,8 @@ def walk(mode: str, stats: str, bits: int, bucket: int, steps: int, lr: float, r
     if stats == "lattice":
         project = jax.jit(lambda x, k: lattice_project(x, bits, bucket, k))
     else:
-        project = jax.jit(lambda x, k: qz.quantize(x, bits, bucket, rounding, k, stats_dtype=stats).dequantize())
+        project = jax.jit(
+            lambda x, k: qz.quantize(x, bits, bucket, rounding, k, stats_dtype=stats).dequantize())
     held, out = np.asarray(project(exact, qz.derive_key(1, 0))), {}
     for t in range(1, steps + 1):
         u = lr * np.sign(0.3 * drift + rng.normal(size=exact.shape)).astype(np.float32)

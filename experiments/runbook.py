@@ -93,7 +93,8 @@ CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
     _spec("qsdp-sr-W4G3-rot64", "frontier", "", weight_bits=4, grad_bits=3, grad_rotation=64, **_SR),
     _spec("qsdp-sr-W3G3-rot64", "frontier", "", weight_bits=3, grad_bits=3, grad_rotation=64, **_SR),
     _spec("comm-W3G2-rot64-b256-bf16stats", "frontier", "comm-W3G2-rot64 with 256-element buckets, bf16 stats",
-          weight_mode="comm", weight_bits=3, grad_bits=2, grad_rotation=64, bucket_size=256, stats_dtype="bfloat16"),
+          weight_mode="comm", weight_bits=3, grad_bits=2, grad_rotation=64, bucket_size=256,
+          stats_dtype="bfloat16"),
     _spec("comm-W4G2-rot64", "frontier", "2-bit gradients with the rotation",
           weight_mode="comm", weight_bits=4, grad_bits=2, grad_rotation=64),
     _spec("qsdp-sr-W3G2-rot64", "frontier", "under 3 wire bits: 2-bit rotated gradients",
@@ -109,7 +110,8 @@ CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
           weight_bits=3, grad_bits=3, bit_policy=(("embed/*", 8, 8),), **_SR),
     # dropped: QSDPConfig now refuses these; their records stay in the report
     _spec("qsdp-sr-W4G4-b256-bf16stats", DROPPED, "QSDPConfig refuses it: bf16 stats ratchet the on-grid "
-          "range (experiments/grid_walk.py)", weight_bits=4, grad_bits=4, bucket_size=256, stats_dtype="bfloat16", **_SR),
+          "range (experiments/grid_walk.py)", weight_bits=4, grad_bits=4, bucket_size=256,
+          stats_dtype="bfloat16", **_SR),
 ]}
 
 

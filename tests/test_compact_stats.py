@@ -179,7 +179,8 @@ def _digest(tree):
 
 
 def test_comm_training_with_bf16_stats_quantizes_the_view_and_resumes_exactly(tmp_path):
-    cfg = q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, stats_dtype=BF, grad_rotation=16, **SMALL)
+    cfg = q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, stats_dtype=BF, grad_rotation=16,
+                       **SMALL)
     mesh = q.make_mesh()
     opt = _opt(cfg)
     state0 = q.init_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
