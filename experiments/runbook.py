@@ -82,6 +82,8 @@ CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
     # Hadamard, error feedback, bit policies) add their configurations here
     _spec("qsdp-sr-W4G4-b256", "frontier", "4 bits, smaller buckets",
           weight_bits=4, grad_bits=4, bucket_size=256, **_SR),
+    _spec("qsdp-sr-W4G4-b128", "frontier", "4 bits, 128-element buckets (float32 stats: +0.5 bits)",
+          weight_bits=4, grad_bits=4, bucket_size=128, **_SR),
     _spec("qsdp-sr-W4G3", "frontier", "", weight_bits=4, grad_bits=3, **_SR),
     _spec("qsdp-sr-W3G3", "frontier", "", weight_bits=3, grad_bits=3, **_SR),
     _spec("comm-W4G2", "frontier", "", weight_mode="comm", weight_bits=4, grad_bits=2),
