@@ -148,6 +148,10 @@ def measure(
     from experiments.gpt import GPT, GPTConfig
     from qsdp_jax import comm, optim
 
+    names = [s.name if isinstance(s, q.QSDPConfig) else s for s in schemes]
+    twice = sorted({s for s in names if names.count(s) > 1})
+    if twice:  # records are keyed by name: e.g. configs differing only in bucket_size
+        raise ValueError(f"schemes {twice} are named twice; measure them in separate calls")
     devices = jax.devices()
     n = len(devices) if n_devices is None else int(n_devices)
     if n < 1 or n > len(devices):

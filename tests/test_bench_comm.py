@@ -63,3 +63,13 @@ def test_scheme_names():
     assert bench_comm.scheme_config("bf16").name == "bf16"
     with pytest.raises(ValueError):
         bench_comm.scheme_config("int8")
+
+
+def test_schemes_with_one_name_are_refused_before_compiling():
+    """Records are keyed by config name, which does not carry the bucket size: two such configs
+    in one call would silently share one record."""
+    import qsdp_jax as q
+
+    cfgs = [q.QSDPConfig.qsdp(4, 4, bucket_size=b) for b in (128, 256)]
+    with pytest.raises(ValueError, match=r"\['qsdp-sr-W4G4'\] are named twice"):
+        bench_comm.measure("tiny", cfgs, n_devices=8)
