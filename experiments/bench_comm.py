@@ -177,9 +177,8 @@ def measure(
         "formula_counts": {"gathers": gathers, "scatters": scatters},
         "schemes": {},
     }
-    for name in schemes:
-        cfg = name if isinstance(name, q.QSDPConfig) else scheme_config(name, bucket)
-        name = cfg.name if isinstance(name, q.QSDPConfig) else name
+    for name, scheme in zip(names, schemes):
+        cfg = scheme if isinstance(scheme, q.QSDPConfig) else scheme_config(scheme, bucket)
         t0 = time.perf_counter()
         opt = optim.qsdp(optax.adam(1e-3), cfg)
         state = q.abstract_train_state(params, opt, mesh, cfg, stacked=model.stacked_groups)

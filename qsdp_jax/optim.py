@@ -172,7 +172,6 @@ def _project_leaf(x, geo, config, key, ctx, bits):
     rows = _as_rows(x, geo)
     ids = _bucket_ids(geo, config.bucket_size, ctx)
     bucket, rounding = config.bucket_size, config.weight_rounding
-    kernels = config.kernels  # float32 grids: QSDPConfig refuses bf16 stats with on-grid weights
 
     def reference(r, k, i):
         qt = qz.quantize(r, bits, bucket, rounding, k, bucket_ids=i)
@@ -181,7 +180,8 @@ def _project_leaf(x, geo, config, key, ctx, bits):
     def kernel(r, k, i, target):
         return qk.project(r, bits, bucket, rounding, k, bucket_ids=i, target=target)
 
-    values, scales, offsets = qk.select(kernels, reference, kernel, rows, key, ids, bucket=bucket)
+    # float32 grids only: QSDPConfig refuses bf16 stats with on-grid weights
+    values, scales, offsets = qk.select(config.kernels, reference, kernel, rows, key, ids, bucket=bucket)
     return _from_rows(values, x, geo), scales, offsets
 
 
