@@ -7,7 +7,9 @@ the grid is rounded outward to bf16 values and reaches past the bucket's range; 
 rounding puts weights on those outer points, the next step's range is wider, and so on: the
 range ratchets outward and the grid coarsens. ``comm`` mode quantizes a float32 master copy
 afresh each step (nothing is iterated), so its range does not grow. ``qsdp/lattice`` is an idea
-tried here only (:func:`lattice_project`).
+tried here only (:func:`lattice_project`). ``qsdp/golden`` is ``weight_rounding="golden"``:
+float32 stats, stochastic rounding whose uniform per weight follows a golden-ratio sequence over
+the steps, so a weight's successive rounding errors cancel instead of adding up.
 
 Each step adds an Adam-like update (``lr * sign(0.3 * drift + noise)``, per-coordinate) to the
 weights; the table reports, against the same walk without quantization, the mean bucket range
@@ -22,7 +24,8 @@ import argparse
 import json
 from pathlib import Path
 
-MODES = (("qsdp", "float32"), ("qsdp", "bfloat16"), ("comm", "bfloat16"), ("qsdp", "lattice"))
+MODES = (("qsdp", "float32"), ("qsdp", "bfloat16"), ("comm", "bfloat16"), ("qsdp", "lattice"),
+         ("qsdp", "golden"))
 
 
 def lattice_project(x, bits: int, bucket: int, key):
@@ -56,17 +59,19 @@ def walk(mode: str, stats: str, bits: int, bucket: int, steps: int, lr: float, r
     exact = (rng.normal(size=(rows, bucket)) * 0.02).astype(np.float32)
     drift = rng.normal(size=exact.shape).astype(np.float32)
     rounding = "stochastic" if mode == "qsdp" else "nearest"
+    golden = stats == "golden"  # one key for the walk, rotated by the step's phase (as optim does)
     if stats == "lattice":
-        project = jax.jit(lambda x, k: lattice_project(x, bits, bucket, k))
+        project = jax.jit(lambda x, k, t: lattice_project(x, bits, bucket, k))
     else:
-        project = jax.jit(
-            lambda x, k: qz.quantize(x, bits, bucket, rounding, k, stats_dtype=stats).dequantize())
-    held, out = np.asarray(project(exact, qz.derive_key(1, 0))), {}
+        project = jax.jit(lambda x, k, t: qz.quantize(
+            x, bits, bucket, rounding, k, stats_dtype="float32" if golden else stats,
+            phase=qz.golden_phase(t) if golden else None).dequantize())
+    held, out = np.asarray(project(exact, qz.derive_key(1, 0), 0)), {}
     for t in range(1, steps + 1):
         u = lr * np.sign(0.3 * drift + rng.normal(size=exact.shape)).astype(np.float32)
         exact = exact + u
         base = held + u if mode == "qsdp" else exact  # qsdp iterates on the grid; comm re-quantizes
-        held = np.asarray(project(base, qz.derive_key(2, t)))
+        held = np.asarray(project(base, qz.derive_key(2) if golden else qz.derive_key(2, t), t))
         if t in checkpoints or t == steps:
             ratio = np.ptp(held, axis=1).mean() / np.ptp(exact, axis=1).mean()
             rms = np.sqrt(np.mean((held - exact) ** 2)) / exact.std()

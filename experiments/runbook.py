@@ -105,6 +105,10 @@ CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
           weight_mode="comm", weight_bits=3, grad_bits=2, grad_rotation=64),
     _spec("comm-W2G2-rot64", "frontier", "where the fp32 master copy stops helping?",
           weight_mode="comm", weight_bits=2, grad_bits=2, grad_rotation=64),
+    # golden weight rounding: stochastic rounding with a golden-ratio sequence of uniforms per
+    # weight over the steps (errors of successive steps cancel; experiments/grid_walk.py)
+    _spec("qsdp-sr-W4G4-golden", "frontier", "on-grid 4 bits, golden-sequence stochastic rounding",
+          weight_bits=4, grad_bits=4, weight_rounding="golden"),
     # bit policy: the embeddings (tied: also the output head) at W8G8, the rest lower
     _spec("qsdp-sr-W4G4-emb8", "frontier", "embeddings (tied output head) at W8G8, the rest W4G4",
           weight_bits=4, grad_bits=4, bit_policy=(("embed/*", 8, 8),), **_SR),

@@ -23,7 +23,8 @@ Conventions (shared by the Pallas kernels, the collectives and the optimizer):
 * Compact stats (``stats_dtype="bfloat16"``, :func:`bf16_stats`): offset rounded down and scale
   up to bf16 values that still cover the bucket, so the stats travel as 2 bytes each. Such a
   grid reaches past ``[lo, hi]``: fine for one-shot quantization, not for values kept on it.
-* Randomness is a counter-based hash of ``(key, counter)`` (:func:`hash_uniform`), computed
+* Randomness is a counter-based hash of ``(key, counter)`` (:func:`hash_uniform`, optionally
+  rotated by a phase), computed
   identically in jnp and in Pallas kernels: elements use ``bucket_id * bucket + position`` as
   counter, bucket shifts use ``bucket_id``. Callers pass *global* bucket ids, so the same
   buffer quantizes the same way whether it is sharded over 1 or N devices.
@@ -77,11 +78,23 @@ def derive_key(seed, *parts) -> jax.Array:
     return k
 
 
-def hash_uniform(key: jax.Array, counter: jax.Array) -> jax.Array:
-    """Uniform float32 in [0, 1) from a uint32 key and uint32 counters (any shape)."""
+def hash_uniform(key: jax.Array, counter: jax.Array, phase: jax.Array | None = None) -> jax.Array:
+    """Uniform float32 in [0, 1) from a uint32 key and uint32 counters (any shape).
+
+    ``phase`` (a uint32 scalar) is added to every hash before its top 24 bits are taken: it
+    rotates each uniform by ``phase / 2**32`` modulo 1, so each stays uniform. With a key fixed
+    over steps and ``phase = step * 0x9E3779B9`` (:func:`golden_phase`), one counter's uniforms
+    over the steps are a golden-ratio (low-discrepancy) sequence."""
     counter = jnp.asarray(counter).astype(jnp.uint32)
     h = mix32(mix32(counter + jnp.asarray(key, jnp.uint32) * jnp.uint32(_GOLDEN)) ^ key)
+    if phase is not None:
+        h = h + jnp.asarray(phase, jnp.uint32)
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def golden_phase(step: jax.Array) -> jax.Array:
+    """``step * 0x9E3779B9`` modulo 2**32: ``frac(step * 0.6180339...)`` in 32-bit fixed point."""
+    return jnp.asarray(step).astype(jnp.uint32) * jnp.uint32(_GOLDEN)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,6 +262,7 @@ def quantize(
     key: jax.Array | None = None,
     bucket_ids: jax.Array | None = None,
     stats_dtype: str = "float32",
+    phase: jax.Array | None = None,
 ) -> QTensor:
     """Quantize ``x`` (..., n) bucket-wise along the last axis.
 
@@ -259,6 +273,8 @@ def quantize(
         randomness; defaults to row-major ids of ``x`` itself.
       stats_dtype: ``"float32"``, or ``"bfloat16"``: scales and offsets are bf16 values that
         cover each bucket's range (:func:`bf16_stats`); not with ``"shift"``.
+      phase: uint32 scalar rotating the stochastic rounding's uniforms (:func:`hash_uniform`);
+        only with ``"stochastic"``.
     """
     if stats_dtype not in STATS_DTYPES:
         raise ValueError(f"stats_dtype={stats_dtype!r} is invalid: must be one of {STATS_DTYPES}")
@@ -271,6 +287,8 @@ def quantize(
         raise ValueError(f"rounding={rounding!r} needs a key")
     if rounding == "shift" and bits < 2:
         raise ValueError("rounding='shift' needs bits >= 2 (one spare level covers the shift)")
+    if phase is not None and rounding != "stochastic":
+        raise ValueError(f"a phase is for rounding='stochastic', not {rounding!r}")
     xb = to_buckets(x.astype(jnp.float32), bucket)
     lo, hi = bucket_range(xb)
     top = levels(bits)
@@ -290,7 +308,7 @@ def quantize(
     t = (xb - offsets[..., None]) * inv
     if rounding == "stochastic":
         counters = bucket_ids[..., None] * jnp.uint32(bucket) + jnp.arange(bucket, dtype=jnp.uint32)
-        u = hash_uniform(key, counters)
+        u = hash_uniform(key, counters, phase)
         q = jnp.floor(unfused(t, u) + u)
     else:
         q = jnp.round(t)

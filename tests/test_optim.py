@@ -169,14 +169,14 @@ def test_w8_adam_matches_plain_adam_on_classification(rounding):
     assert abs(quant - plain) / plain < 0.02, (quant, plain)
 
 
-def test_stochastic_weight_rounding_lands_on_grid_and_is_unbiased():
+def test_stochastic_weight_rounding_lands_on_grid_and_is_unbiased(rounding="stochastic"):
     p = {"w": jnp.asarray(np.random.default_rng(4).normal(size=(BUCKET * 2,)), jnp.float32)}
     g = {"w": jnp.full((BUCKET * 2,), 0.3, jnp.float32)}
     target = np.asarray(p["w"] - 0.01 * g["w"])
     outs = []
     for seed in range(400):
         cfg = q.QSDPConfig.qsdp(1, 8, bucket_size=BUCKET, min_shard_size=1, seed=seed,
-                                weight_rounding="stochastic")
+                                weight_rounding=rounding)
         opt = optim.qsdp(optax.sgd(0.01), cfg)
         u, s = opt.update(g, opt.init(p), p)
         new = optim.apply_updates(p, u, s, cfg)
@@ -185,6 +185,35 @@ def test_stochastic_weight_rounding_lands_on_grid_and_is_unbiased():
         outs.append(np.asarray(new["w"]))
     step = np.ptp(target.reshape(-1, BUCKET), axis=1).repeat(BUCKET)  # 1 bit: one interval
     assert np.all(np.abs(np.mean(outs, 0) - target) < 5 * step / (2 * np.sqrt(400)))
+
+
+def _drift_error(rounding: str, steps: int = 30) -> float:
+    """RMS distance, after ``steps`` constant updates of 1/20 of a 4-bit grid step (per weight,
+    random signs), between the on-grid weights and the same walk done exactly."""
+    r = np.random.default_rng(3)
+    p = {"w": jnp.asarray(r.normal(size=(BUCKET * 8,)), jnp.float32)}  # range ~6: step ~0.4
+    d = np.float32(0.02) * np.sign(r.normal(size=p["w"].shape)).astype(np.float32)
+    cfg = q.QSDPConfig.qsdp(4, 8, bucket_size=BUCKET, min_shard_size=1, weight_rounding=rounding)
+    opt = optim.qsdp(optax.sgd(1.0), cfg)
+
+    @jax.jit
+    def step(p, s, g):
+        u, s = opt.update({"w": g}, s, p)
+        return optim.apply_updates(p, u, s, cfg), s
+
+    held, st = step(p, opt.init(p), jnp.zeros_like(p["w"]))  # onto the grid: the walk's start
+    exact = np.asarray(held["w"]) + steps * d
+    for _ in range(steps):
+        held, st = step(held, st, -jnp.asarray(d))
+    return float(np.sqrt(np.mean((np.asarray(held["w"]) - exact) ** 2)))
+
+
+def test_golden_rounding_errors_cancel_over_steps():
+    """``weight_rounding="golden"``: the same unbiased rounding each step, but a weight's
+    successive errors cancel, so a slow steady drift is tracked closer than by independent
+    stochastic rounding (whose error grows as a random walk)."""
+    iid, golden = _drift_error("stochastic"), _drift_error("golden")
+    assert golden < 0.7 * iid, (golden, iid)
 
 
 def test_works_with_flax_nnx_optimizer():
