@@ -51,7 +51,7 @@ class QSDPConfig:
         uniform per weight runs through a golden-ratio sequence over the steps (``u_t =
         frac(u_0 + 0.618 t)``, ``u_0`` a hash of the seed and the weight's index): each step is
         still unbiased, and the rounding errors of a weight's successive steps cancel rather
-        than add up as a random walk (``experiments/golden_walk.py``). Costs nothing extra.
+        than add up as a random walk (``experiments/grid_walk.py``). Costs nothing extra.
       grad_rounding: ``"stochastic"`` (unbiased, the default) or ``"nearest"`` (biased).
       min_shard_size: leaves with fewer elements (per layer, for layer-stacked groups) stay
         full precision and replicated on every device: biases, norm scales.

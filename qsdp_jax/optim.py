@@ -25,8 +25,6 @@ the run's seed and position, never of host state.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -39,33 +37,18 @@ from qsdp_jax import kernels as qk
 from qsdp_jax import policy
 from qsdp_jax import quantizers as qz
 from qsdp_jax.config import QSDPConfig
+from qsdp_jax.shard_context import (  # noqa: F401  (re-exported: ``optim.sharding_context``, ...)
+    ShardContext,
+    all_finite,
+    clip_by_global_norm,
+    current_context,
+    global_norm,
+    sharding_context,
+)
 
 PyTree = Any
 PURPOSE_WEIGHT = 1
 PURPOSE_WEIGHT_GOLDEN = 3  # 2 is the gradients' (train.PURPOSE_GRAD)
-
-
-class ShardContext(NamedTuple):
-    axis_name: str
-    num_shards: int
-    mask: PyTree  # bool per params leaf: True = a local shard of a flat buffer (last axis)
-    bits: tuple | None = None  # weight bits per params leaf (a bit policy's); None: the config's
-
-
-_CONTEXT: contextvars.ContextVar[ShardContext | None] = contextvars.ContextVar(
-    "qsdp_shard_context", default=None
-)
-
-
-@contextlib.contextmanager
-def sharding_context(axis_name: str, num_shards: int, mask: PyTree, bits: tuple | None = None):
-    """Declare, while tracing inside ``shard_map``, which params leaves are local shards (and,
-    with a ``QSDPConfig.bit_policy``, the weight bits of each leaf, in ``tree_leaves`` order)."""
-    token = _CONTEXT.set(ShardContext(axis_name, num_shards, mask, bits))
-    try:
-        yield
-    finally:
-        _CONTEXT.reset(token)
 
 
 @jax.tree_util.register_dataclass
@@ -232,21 +215,6 @@ def _snap_leaf(x, scales, offsets, geo, config, bits):
     return _from_rows(values, x, geo)
 
 
-def all_finite(tree: PyTree) -> jax.Array:
-    """True when every float in ``tree`` is finite; inside :func:`sharding_context`, on every
-    device of the axis (the same answer everywhere)."""
-    ctx = _CONTEXT.get()
-    bad = sum(
-        jnp.sum(~jnp.isfinite(x)).astype(jnp.int32)
-        for x in jax.tree_util.tree_leaves(tree)
-        if jnp.issubdtype(x.dtype, jnp.inexact)
-    )
-    bad = jnp.asarray(bad, jnp.int32)
-    if ctx is not None:
-        bad = lax.psum(bad, ctx.axis_name)
-    return bad == 0
-
-
 # ----------------------------------------------------------------------------------------------
 # The transformation
 # ----------------------------------------------------------------------------------------------
@@ -262,7 +230,7 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
     projecting = config.weight_mode == "qsdp"
 
     def init(params):
-        ctx = _CONTEXT.get()
+        ctx = current_context()
         leaves, treedef = jax.tree_util.tree_flatten(params)
         mask = _mask_for(params, config, ctx) if projecting else [False] * len(leaves)
         count = jnp.zeros((), jnp.int32)
@@ -286,7 +254,7 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
         )
 
     def update(updates, state: QSDPState, params=None, **extra_args):
-        ctx = _CONTEXT.get()
+        ctx = current_context()
         if projecting and params is None:
             raise ValueError("qsdp_jax.optim.qsdp needs params in update() to project onto the grid")
         finite = all_finite(updates)
@@ -338,7 +306,7 @@ def snap_to_grid(params: PyTree, opt_state: PyTree, config: QSDPConfig) -> PyTre
     st = find_qsdp_state(opt_state)
     if st is None or st.bits is None:
         return params
-    ctx = _CONTEXT.get()
+    ctx = current_context()
     leaves, treedef = jax.tree_util.tree_flatten(params)
     s_leaves = treedef.flatten_up_to(st.scales)
     o_leaves = treedef.flatten_up_to(st.offsets)
@@ -360,42 +328,6 @@ def init_on_grid(params: PyTree, optimizer: optax.GradientTransformation, config
     """``(params projected onto the initial grid, opt_state)`` for a single-device loop."""
     opt_state = optimizer.init(params)
     return snap_to_grid(params, opt_state, config), opt_state
-
-
-def global_norm(tree: PyTree) -> jax.Array:
-    """The L2 norm of ``tree``; inside the sharded train step (:func:`sharding_context`), of the
-    *global* tree: the local shards' squares are summed over the devices, replicated leaves
-    counted once. (``optax.global_norm`` there sees only this device's shards.)"""
-    ctx = _CONTEXT.get()
-    leaves = jax.tree_util.tree_leaves(tree)
-    if ctx is None:
-        return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
-    mask = jax.tree_util.tree_leaves(ctx.mask)
-    if len(mask) != len(leaves):
-        raise ValueError("sharding_context mask does not match the updates' structure")
-    sq = lambda xs: jnp.asarray(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in xs), jnp.float32)  # noqa: E731
-    sharded = lax.psum(sq([x for x, m in zip(leaves, mask) if m]), ctx.axis_name)
-    return jnp.sqrt(sharded + sq([x for x, m in zip(leaves, mask) if not m]))
-
-
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """``optax.clip_by_global_norm`` that is correct inside the sharded train step.
-
-    optax's version computes the norm of what it is given, which in the sharded step is one
-    device's shards: every device then clips by a different factor, and replicated leaves
-    drift apart across devices. This one uses :func:`global_norm` (the same result as optax's
-    outside the step).
-    """
-    if not max_norm > 0:
-        raise ValueError(f"max_norm={max_norm!r} is invalid: must be > 0")
-
-    def update(updates, state, params=None):
-        del params
-        norm = global_norm(updates)
-        factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
-        return jax.tree.map(lambda u: (u * factor).astype(u.dtype), updates), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 _SAME_RESULT_FIELDS = ("kernels",)

@@ -106,7 +106,7 @@ def chunk_signs(key: jax.Array, chunks: jax.Array, n: int) -> jax.Array:
     rot_key = qz.derive_key(key, PURPOSE_ROTATION)
     keys = jax.vmap(lambda c: qz.derive_key(rot_key, c))(jnp.asarray(chunks, jnp.uint32))
     words = -(-n // 32)  # one 32-bit hash gives the signs of 32 consecutive positions
-    h = qz.mix32(qz.mix32(jnp.arange(words, dtype=jnp.uint32)[None, :] + keys[:, None] * jnp.uint32(qz._GOLDEN))
+    h = qz.mix32(qz.mix32(jnp.arange(words, dtype=jnp.uint32)[None, :] + keys[:, None] * jnp.uint32(qz.GOLDEN))
                  ^ keys[:, None])
     bits = (h[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
     signs = jnp.float32(1.0) - jnp.float32(2.0) * bits.astype(jnp.float32)

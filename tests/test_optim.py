@@ -169,7 +169,10 @@ def test_w8_adam_matches_plain_adam_on_classification(rounding):
     assert abs(quant - plain) / plain < 0.02, (quant, plain)
 
 
-def test_stochastic_weight_rounding_lands_on_grid_and_is_unbiased(rounding="stochastic"):
+@pytest.mark.parametrize("rounding", ["stochastic", "golden"])
+def test_stochastic_weight_rounding_lands_on_grid_and_is_unbiased(rounding):
+    """Over seeds, one projection's mean is the exact update (golden: each step is one draw of
+    a uniform rotated by the step's phase, so it is unbiased too)."""
     p = {"w": jnp.asarray(np.random.default_rng(4).normal(size=(BUCKET * 2,)), jnp.float32)}
     g = {"w": jnp.full((BUCKET * 2,), 0.3, jnp.float32)}
     target = np.asarray(p["w"] - 0.01 * g["w"])

@@ -1,0 +1,58 @@
+"""Counter-based randomness shared by the jnp quantizers and the Pallas kernels.
+
+Every random number of qsdp_jax is a pure function of integers: a key derived from (seed,
+purpose, step, parameter index, ...) by :func:`derive_key`, hashed with a counter (element or
+bucket id) by :func:`hash_uniform`. The same bits come out in jnp and inside a kernel, on every
+device and backend, and a resumed run draws exactly what the uninterrupted one drew (DESIGN.md
+section 2, invariant 5). Nothing here knows about quantization.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+GOLDEN = 0x9E3779B9  # 2**32 / the golden ratio: the Weyl-sequence step of keys and phases
+
+
+def mix32(x: jax.Array) -> jax.Array:
+    """A 32-bit integer finaliser (lowbias32): a bijection on uint32 with good avalanche."""
+    x = jnp.asarray(x, jnp.uint32)
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    x = x ^ (x >> 16)
+    return x
+
+
+def derive_key(seed, *parts) -> jax.Array:
+    """A uint32 key from a seed and integers (step, purpose, parameter index, layer, ...).
+
+    Parts may be Python ints or traced integer scalars; the key is a pure function of them,
+    never of host state or call order.
+    """
+    k = mix32(jnp.uint32(seed) ^ jnp.uint32(0x5EED5EED))
+    for p in parts:
+        p = jnp.asarray(p).astype(jnp.uint32)
+        k = mix32(k ^ (p * jnp.uint32(GOLDEN) + jnp.uint32(0x7F4A7C15)))
+    return k
+
+
+def hash_uniform(key: jax.Array, counter: jax.Array, phase: jax.Array | None = None) -> jax.Array:
+    """Uniform float32 in [0, 1) from a uint32 key and uint32 counters (any shape).
+
+    ``phase`` (a uint32 scalar) is added to every hash before its top 24 bits are taken: it
+    rotates each uniform by ``phase / 2**32`` modulo 1, so each stays uniform. With a key fixed
+    over steps and ``phase = step * 0x9E3779B9`` (:func:`golden_phase`), one counter's uniforms
+    over the steps are a golden-ratio (low-discrepancy) sequence."""
+    counter = jnp.asarray(counter).astype(jnp.uint32)
+    h = mix32(mix32(counter + jnp.asarray(key, jnp.uint32) * jnp.uint32(GOLDEN)) ^ key)
+    if phase is not None:
+        h = h + jnp.asarray(phase, jnp.uint32)
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def golden_phase(step: jax.Array) -> jax.Array:
+    """``step * 0x9E3779B9`` modulo 2**32: ``frac(step * 0.6180339...)`` in 32-bit fixed point."""
+    return jnp.asarray(step).astype(jnp.uint32) * jnp.uint32(GOLDEN)
