@@ -109,6 +109,8 @@ CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
     # weight over the steps (errors of successive steps cancel; experiments/grid_walk.py)
     _spec("qsdp-sr-W4G4-golden", "frontier", "on-grid 4 bits, golden-sequence stochastic rounding",
           weight_bits=4, grad_bits=4, weight_rounding="golden"),
+    _spec("qsdp-sr-W4G4-b256-golden", "frontier", "golden rounding on 256-element buckets (finer grid)",
+          weight_bits=4, grad_bits=4, bucket_size=256, weight_rounding="golden"),
     _spec("qsdp-sr-W8G8-golden", "frontier", "golden rounding at 8 bits: no worse than stochastic there?",
           weight_bits=8, grad_bits=8, weight_rounding="golden"),
     _spec("qsdp-sr-W3G2-rot64-golden", "frontier", "on-grid under 3 wire bits with golden rounding",
