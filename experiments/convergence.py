@@ -158,16 +158,17 @@ def train_chunk(the_plan: runbook.Plan, settings: runbook.Settings, root: Path,
 def report(records: dict, settings: runbook.Settings, out: Path) -> int:
     """Write convergence.json, the markdown tables and both plots from the records made with
     ``settings``; print the tables."""
-    from experiments import frontier
+    from experiments import frontier, levers
 
     same = {k: r for k, r in records.items() if r.get("settings") == settings.as_dict()}
     if not same:
         print("no records with these settings yet: nothing to report", flush=True)
         return 0
-    summary = frontier.summarise(same, settings.as_dict())
+    summary = levers.add_levers(frontier.summarise(same, settings.as_dict()))
     out.mkdir(parents=True, exist_ok=True)
     (out / "convergence.json").write_text(json.dumps(summary, indent=1) + "\n")
-    tables = "\n\n".join(frontier.markdown_table(summary, c) for c in summary["corpora"])
+    tables = "\n\n".join(t for c in summary["corpora"]
+                         for t in (frontier.markdown_table(summary, c), levers.markdown_table(summary, c)) if t)
     (out / "convergence_frontier.md").write_text(tables + "\n")
     frontier.plot_frontier(summary, out / "convergence_frontier.png")
     frontier.plot_curves(same, out / "convergence.png")

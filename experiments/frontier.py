@@ -118,13 +118,17 @@ def _pct(x: float | None, sign: bool = True) -> str:
     return "n/a" if x is None else f"{100 * x:{'+' if sign else ''}.2f}%"
 
 
-def _gap_cell(row: dict) -> str:
-    g = row["gap"]
+def interval_cell(g: dict | None) -> str:
+    """``+1.23% [+0.10%, +2.36%]`` from an ``Interval.as_dict()`` (one seed: no interval)."""
     if g is None:
         return "no paired seed"
     if g["half_width"] is None:
         return f"{_pct(g['mean'])} (1 seed, no interval)"
     return f"{_pct(g['mean'])} [{_pct(g['low'])}, {_pct(g['high'])}]"
+
+
+ZERO_CELL = {True: "yes", False: "**no**", None: ""}
+"""The 'CI holds 0' column: an interval excluding 0 stands out."""
 
 
 def markdown_table(summary: dict, corpus: str) -> str:
@@ -148,9 +152,9 @@ def markdown_table(summary: dict, corpus: str) -> str:
         if r["name"] == REFERENCE:
             gap, per_seed, zero = "reference", "", ""
         else:
-            gap = _gap_cell(r)
+            gap = interval_cell(r["gap"])
             per_seed = ", ".join(_pct(g) for g in r["paired_gap"].values())
-            zero = {True: "yes", False: "**no**", None: ""}[r["gap_interval_contains_zero"]]
+            zero = ZERO_CELL[r["gap_interval_contains_zero"]]
         lines.append(
             f"| {r['name']} | {bits} | {r['wire_bytes_per_step'] / 1e6:.2f} | {ratio} | "
             f"{len(r['seeds'])} | {r['val_loss_mean']:.4f} | {gap} | {per_seed} | {zero} |")

@@ -24,8 +24,8 @@ from pathlib import Path
 from experiments.run_files import write_atomic  # temp file + fsync + rename
 
 __all__ = [
-    "CONFIGS", "DEFAULT_SEEDS", "GROUPS", "REFERENCE", "ConfigSpec", "Plan", "RunKey", "Settings",
-    "compact_record", "git_commit", "load_records", "plan", "run_keys", "select_configs",
+    "CONFIGS", "DEFAULT_SEEDS", "GROUPS", "LEVERS", "REFERENCE", "ConfigSpec", "Plan", "RunKey",
+    "Settings", "compact_record", "git_commit", "load_records", "plan", "run_keys", "select_configs",
     "write_record",
 ]
 
@@ -125,6 +125,20 @@ CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
           "range (experiments/grid_walk.py)", weight_bits=4, grad_bits=4, bucket_size=256,
           stats_dtype="bfloat16", **_SR),
 ]}
+
+LEVERS: tuple[tuple[str, str, str], ...] = (
+    ("qsdp-sr-W4G4-golden", "qsdp-sr-W4G4", "golden rounding"),
+    ("qsdp-sr-W4G4-b256", "qsdp-sr-W4G4", "256-element buckets"),
+    ("qsdp-sr-W4G4-b128", "qsdp-sr-W4G4", "128-element buckets"),
+    ("qsdp-sr-W4G4-b256-golden", "qsdp-sr-W4G4-b256", "golden rounding on 256-element buckets"),
+    ("qsdp-sr-W4G4-rot64", "qsdp-sr-W4G4", "Hadamard rotation of the gradients"),
+    ("qsdp-sr-W4G4-emb8", "qsdp-sr-W4G4", "embeddings at 8 bits"),
+    ("comm-W4G4", "qsdp-sr-W4G4", "an fp32 master copy (weights quantized for the gather only)"),
+    ("qsdp-sr-W8G8", "qsdp-W8G8", "stochastic rounding instead of the paper's shift, 8 bits"),
+    ("qsdp-sr-W8G8-golden", "qsdp-sr-W8G8", "golden rounding at 8 bits"),
+)
+"""``(configuration, base, what it changes)``: the report gives, per corpus, the paired difference
+of the two configurations' gaps over the seeds both have (experiments.levers)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -140,12 +140,16 @@ def test_cli_report_from_records(tmp_path, capsys):
     for s, (fp, w8) in enumerate([(2.0, 2.02), (2.1, 2.121), (1.9, 1.9095)]):
         write_fake(root, "shakespeare", "fp32", s, fp, 400, settings=TINY)
         write_fake(root, "shakespeare", "qsdp-sr-W8G8", s, w8, 100, settings=TINY)
+        write_fake(root, "shakespeare", "qsdp-W8G8", s, fp, 100, settings=TINY)  # a lever's base
     write_fake(root, "shakespeare", "bf16", 0, 2.0, 200, settings=runbook.Settings(steps=7))  # not mixed in
     assert convergence.main(TINY_FLAGS + ["--out", str(tmp_path), "--report"]) == 0
     out = capsys.readouterr().out
     assert "| qsdp-sr-W8G8 | 8.00 |" in out and "bf16" not in out
     summary = json.loads((tmp_path / "convergence.json").read_text())
-    assert summary["settings"] == TINY.as_dict() and len(summary["runs"]) == 6
+    assert summary["settings"] == TINY.as_dict() and len(summary["runs"]) == 9
+    (lever,) = summary["corpora"]["shakespeare"]["levers"]
+    assert (lever["config"], lever["base"]) == ("qsdp-sr-W8G8", "qsdp-W8G8")
+    assert "**shakespeare, levers**" in out and "| qsdp-sr-W8G8 | qsdp-W8G8 |" in out
     assert (tmp_path / "convergence_frontier.md").read_text().startswith("**shakespeare**")
     for png in ("convergence_frontier.png", "convergence.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
