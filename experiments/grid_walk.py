@@ -7,9 +7,8 @@ the grid is rounded outward to bf16 values and reaches past the bucket's range; 
 rounding puts weights on those outer points, the next step's range is wider, and so on: the
 range ratchets outward and the grid coarsens. ``comm`` mode quantizes a float32 master copy
 afresh each step (nothing is iterated), so its range does not grow. ``qsdp/lattice`` is an idea
-tried here only (:func:`lattice_project`). ``qsdp/golden`` is ``weight_rounding="golden"``:
-float32 stats, stochastic rounding whose uniform per weight follows a golden-ratio sequence over
-the steps, so a weight's successive rounding errors cancel instead of adding up.
+tried here only (:func:`lattice_project`). ``qsdp/golden`` (:func:`golden_project`) is the
+golden weight rounding that was built, measured on the GPT and dropped (README, *Convergence*).
 
 Each step adds an Adam-like update (``lr * sign(0.3 * drift + noise)``, per-coordinate) to the
 weights; the table reports, against the same walk without quantization, the mean bucket range
@@ -47,6 +46,27 @@ def lattice_project(x, bits: int, bucket: int, key):
     return (off[:, None] + q * s[:, None]).reshape(x.shape)
 
 
+def golden_project(x, bits: int, bucket: int, key, step):
+    """Built once as ``weight_rounding="golden"``, dropped on the GPT measurements: stochastic
+    rounding onto the float32 min/max grid whose uniform per weight is ``frac(u_0 + step *
+    0.618...)`` (one key for the whole walk), so a weight's successive rounding errors cancel
+    rather than add up as a random walk; each step alone is still unbiased."""
+    import jax.numpy as jnp
+
+    from qsdp_jax import quantizers as qz
+
+    grid = qz.quantize(x, bits, bucket, "nearest")  # the same fresh grid as stochastic rounding's
+    xb = qz.to_buckets(x, bucket)
+    ctr = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
+    phase = jnp.uint32(step) * jnp.uint32(qz.GOLDEN)  # frac(step * 0.618...) in 32-bit fixed point
+    h = qz.mix32(qz.mix32(ctr + key * jnp.uint32(qz.GOLDEN)) ^ key) + phase
+    u = (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+    s, off = grid.scales[..., None], grid.offsets[..., None]
+    t = jnp.where(s == 0, 0.0, (xb - off) / jnp.where(s == 0, 1.0, s))
+    q = jnp.clip(jnp.floor(t + u), 0, qz.levels(bits))
+    return (off + q * s).reshape(x.shape)
+
+
 def walk(mode: str, stats: str, bits: int, bucket: int, steps: int, lr: float, rows: int = 64,
          checkpoints: tuple[int, ...] = (10, 100, 300, 1000)) -> dict[int, tuple[float, float]]:
     """``{step: (range ratio, relative RMS distance)}`` of the quantized walk against the exact one."""
@@ -59,13 +79,14 @@ def walk(mode: str, stats: str, bits: int, bucket: int, steps: int, lr: float, r
     exact = (rng.normal(size=(rows, bucket)) * 0.02).astype(np.float32)
     drift = rng.normal(size=exact.shape).astype(np.float32)
     rounding = "stochastic" if mode == "qsdp" else "nearest"
-    golden = stats == "golden"  # one key for the walk, rotated by the step's phase (as optim does)
+    golden = stats == "golden"  # one key for the walk, rotated by the step's phase
     if stats == "lattice":
         project = jax.jit(lambda x, k, t: lattice_project(x, bits, bucket, k))
+    elif golden:
+        project = jax.jit(lambda x, k, t: golden_project(x, bits, bucket, k, t))
     else:
         project = jax.jit(lambda x, k, t: qz.quantize(
-            x, bits, bucket, rounding, k, stats_dtype="float32" if golden else stats,
-            phase=qz.golden_phase(t) if golden else None).dequantize())
+            x, bits, bucket, rounding, k, stats_dtype=stats).dequantize())
     held, out = np.asarray(project(exact, qz.derive_key(1, 0), 0)), {}
     for t in range(1, steps + 1):
         u = lr * np.sign(0.3 * drift + rng.normal(size=exact.shape)).astype(np.float32)

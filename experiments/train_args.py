@@ -123,10 +123,9 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
     qz.add_argument("--weight-mode", choices=("qsdp", "comm", "full"), default=None,
                     help="qsdp: weights kept on a shifted grid (default); comm: quantized only "
                     "for the all-gather (ZeRO++-style); full: full-precision gather")
-    qz.add_argument("--weight-rounding", choices=("shift", "stochastic", "golden"), default=None,
+    qz.add_argument("--weight-rounding", choices=("shift", "stochastic"), default=None,
                     help="how qsdp mode puts updated weights on a grid: stochastic rounding "
-                    "(the default), the paper's random shift, or golden (stochastic with a "
-                    "golden-ratio sequence of uniforms per weight over the steps)")
+                    "(the default) or the paper's random shift")
     qz.add_argument("--comm-dtype", choices=("float32", "bfloat16"), default=None,
                     help="dtype of the unquantized collectives (default: float32)")
     qz.add_argument("--grad-rotation", type=_positive, default=None, metavar="BLOCK",

@@ -19,7 +19,7 @@ WeightMode = Literal["qsdp", "comm", "full"]
 Rounding = Literal["stochastic", "nearest"]
 
 WEIGHT_MODES = ("qsdp", "comm", "full")
-WEIGHT_ROUNDINGS = ("shift", "stochastic", "golden")
+WEIGHT_ROUNDINGS = ("shift", "stochastic")
 GRAD_ROUNDINGS = ("stochastic", "nearest")
 FP_COMM_DTYPES = ("float32", "bfloat16")
 KERNEL_MODES = ("auto", "pallas", "reference", "interpret")
@@ -47,11 +47,7 @@ class QSDPConfig:
         fraction of a step per bucket. Both keep the weights on a grid (lossless all-gather) and
         are unbiased, but the shift's noise does not shrink with the update while stochastic
         rounding's does: at 4 bits the shift ruins training (README, "Choosing bits", has the
-        measured cost), at 8 bits the two are alike. ``"golden"``: stochastic rounding whose
-        uniform per weight runs through a golden-ratio sequence over the steps (``u_t =
-        frac(u_0 + 0.618 t)``, ``u_0`` a hash of the seed and the weight's index): each step is
-        still unbiased, and the rounding errors of a weight's successive steps cancel rather
-        than add up as a random walk (``experiments/grid_walk.py``). Costs nothing extra.
+        measured cost), at 8 bits the two are alike.
       grad_rounding: ``"stochastic"`` (unbiased, the default) or ``"nearest"`` (biased).
       min_shard_size: leaves with fewer elements (per layer, for layer-stacked groups) stay
         full precision and replicated on every device: biases, norm scales.
@@ -162,7 +158,7 @@ class QSDPConfig:
         self._check_policy()
 
     def _check_levers(self):
-        """Validate ``grad_rotation``, ``stats_dtype`` and the golden weight rounding."""
+        """Validate ``grad_rotation`` and ``stats_dtype``."""
         r = self.grad_rotation
         if r is not None:
             if isinstance(r, bool) or not isinstance(r, int) or r < 2 or r & (r - 1):
@@ -174,9 +170,6 @@ class QSDPConfig:
             if self.outer_axis is not None:
                 _fail("grad_rotation", r, "None on a two-level mesh (node_axis / replica_axis): "
                       "the rotated reduce-scatter is implemented for 1-D meshes only")
-        if self.weight_rounding == "golden" and self.weight_mode != "qsdp":
-            _fail("weight_rounding", "golden", "'stochastic' or 'shift' when weight_mode="
-                  f"{self.weight_mode!r}: golden rounding sequences the steps of on-grid weights")
         _check_choice("stats_dtype", self.stats_dtype, STATS_DTYPES)
         if self.stats_dtype != "float32":
             if self.weight_mode == "qsdp":
@@ -376,14 +369,13 @@ class QSDPConfig:
         w = f"W{self.weight_bits}" if self.weight_bits is not None else f"W{fp}"
         g = f"G{self.grad_bits}" if self.grad_bits is not None else f"G{fp}"
         mode = self.weight_mode
-        if mode == "qsdp" and self.weight_rounding in ("stochastic", "golden"):
+        if mode == "qsdp" and self.weight_rounding == "stochastic":
             mode = "qsdp-sr"
         return f"{mode}-{w}{g}{self._level_suffix()}{self._lever_suffix()}{self._policy_suffix()}"
 
     def _lever_suffix(self) -> str:
-        """``-rot64`` / ``-bf16stats`` / ``-golden`` when those switches are on (empty when off)."""
+        """``-rot64`` / ``-bf16stats`` when those switches are on (empty when off)."""
         out = f"-rot{self.grad_rotation}" if self.grad_rotation is not None else ""
-        out += "-golden" if self.weight_rounding == "golden" else ""
         return out + ("-bf16stats" if self.stats_dtype == "bfloat16" else "")
 
     def _policy_suffix(self) -> str:

@@ -18,9 +18,8 @@ It works in two settings:
 
 A step whose gradients hold NaN or Inf returns zero updates and the unchanged state (in the
 sharded step the check is global over devices). Randomness: the shift of bucket ``b`` of leaf
-``i`` after update ``count`` is ``hash(derive_key(seed, WEIGHT, count, i), b)`` (``"golden"``
-rounding: one key per leaf for the run, rotated by ``golden_phase(count)``), a pure function of
-the run's seed and position, never of host state.
+``i`` after update ``count`` is ``hash(derive_key(seed, WEIGHT, count, i), b)``, a pure function
+of the run's seed and position, never of host state.
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ from qsdp_jax.shard_context import (  # noqa: F401  (re-exported: ``optim.shardi
 
 PyTree = Any
 PURPOSE_WEIGHT = 1
-PURPOSE_WEIGHT_GOLDEN = 3  # 2 is the gradients' (train.PURPOSE_GRAD)
 
 
 @jax.tree_util.register_dataclass
@@ -151,34 +149,22 @@ def _empty():
     return jnp.zeros((0,), jnp.float32)
 
 
-def _leaf_noise(config, count, i):
-    """(key, phase) of leaf ``i``'s projection after update ``count``: a key per step (phase
-    None), or for ``"golden"`` rounding one key for the run and the step's golden phase."""
-    if config.weight_rounding == "golden":
-        return qz.derive_key(config.seed, PURPOSE_WEIGHT_GOLDEN, i), qz.golden_phase(count)
-    return qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i), None
-
-
-def _project_leaf(x, geo, config, noise, ctx, bits):
+def _project_leaf(x, geo, config, key, ctx, bits):
     """A fresh ``bits``-bit grid from the values of ``x`` (random shift, or stochastic rounding
-    per ``config.weight_rounding``) with ``noise = (key, phase)``; returns (projected x,
-    scales, offsets)."""
+    per ``config.weight_rounding``); returns (projected x, scales, offsets)."""
     rows = _as_rows(x, geo)
     ids = _bucket_ids(geo, config.bucket_size, ctx)
-    bucket = config.bucket_size
-    rounding = "shift" if config.weight_rounding == "shift" else "stochastic"
-    key, phase = noise
-    args = (rows, key, ids) if phase is None else (rows, key, ids, phase)
+    bucket, rounding = config.bucket_size, config.weight_rounding
 
-    def reference(r, k, i, p=None):
-        qt = qz.quantize(r, bits, bucket, rounding, k, bucket_ids=i, phase=p)
+    def reference(r, k, i):
+        qt = qz.quantize(r, bits, bucket, rounding, k, bucket_ids=i)
         return qt.dequantize(), qt.scales, qt.offsets
 
-    def kernel(r, k, i, p=None, *, target):
-        return qk.project(r, bits, bucket, rounding, k, bucket_ids=i, phase=p, target=target)
+    def kernel(r, k, i, target):
+        return qk.project(r, bits, bucket, rounding, k, bucket_ids=i, target=target)
 
     # float32 grids only: QSDPConfig refuses bf16 stats with on-grid weights
-    values, scales, offsets = qk.select(config.kernels, reference, kernel, *args, bucket=bucket)
+    values, scales, offsets = qk.select(config.kernels, reference, kernel, rows, key, ids, bucket=bucket)
     return _from_rows(values, x, geo), scales, offsets
 
 
@@ -195,8 +181,8 @@ def _project_leaves(values, mask, count, config, ctx, old_scales, old_offsets, b
             out_s.append(old_scales[i])
             out_o.append(old_offsets[i])
             continue
-        geo = _geometry(x, ctx is not None, config.bucket_size)
-        v, sc, off = _project_leaf(x, geo, config, _leaf_noise(config, count, i), ctx, b)
+        key = qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i)
+        v, sc, off = _project_leaf(x, _geometry(x, ctx is not None, config.bucket_size), config, key, ctx, b)
         out_v.append(v)
         out_s.append(sc)
         out_o.append(off)

@@ -23,8 +23,7 @@ Conventions (shared by the Pallas kernels, the collectives and the optimizer):
 * Compact stats (``stats_dtype="bfloat16"``, :func:`bf16_stats`): offset rounded down and scale
   up to bf16 values that still cover the bucket, so the stats travel as 2 bytes each. Such a
   grid reaches past ``[lo, hi]``: fine for one-shot quantization, not for values kept on it.
-* Randomness is a counter-based hash of ``(key, counter)`` (:func:`hash_uniform`, optionally
-  rotated by a phase), computed
+* Randomness is a counter-based hash of ``(key, counter)`` (:func:`hash_uniform`), computed
   identically in jnp and in Pallas kernels: elements use ``bucket_id * bucket + position`` as
   counter, bucket shifts use ``bucket_id``. Callers pass *global* bucket ids, so the same
   buffer quantizes the same way whether it is sharded over 1 or N devices.
@@ -45,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 # counter-based randomness: its own module, re-exported here (``qz.hash_uniform``, ...)
-from qsdp_jax.randomness import GOLDEN, derive_key, golden_phase, hash_uniform, mix32  # noqa: F401
+from qsdp_jax.randomness import GOLDEN, derive_key, hash_uniform, mix32  # noqa: F401
 
 QRounding = Literal["stochastic", "nearest", "shift"]
 ROUNDINGS = ("stochastic", "nearest", "shift")
@@ -217,7 +216,6 @@ def quantize(
     key: jax.Array | None = None,
     bucket_ids: jax.Array | None = None,
     stats_dtype: str = "float32",
-    phase: jax.Array | None = None,
 ) -> QTensor:
     """Quantize ``x`` (..., n) bucket-wise along the last axis.
 
@@ -228,8 +226,6 @@ def quantize(
         randomness; defaults to row-major ids of ``x`` itself.
       stats_dtype: ``"float32"``, or ``"bfloat16"``: scales and offsets are bf16 values that
         cover each bucket's range (:func:`bf16_stats`); not with ``"shift"``.
-      phase: uint32 scalar rotating the stochastic rounding's uniforms (:func:`hash_uniform`);
-        only with ``"stochastic"``.
     """
     if stats_dtype not in STATS_DTYPES:
         raise ValueError(f"stats_dtype={stats_dtype!r} is invalid: must be one of {STATS_DTYPES}")
@@ -242,8 +238,6 @@ def quantize(
         raise ValueError(f"rounding={rounding!r} needs a key")
     if rounding == "shift" and bits < 2:
         raise ValueError("rounding='shift' needs bits >= 2 (one spare level covers the shift)")
-    if phase is not None and rounding != "stochastic":
-        raise ValueError(f"a phase is for rounding='stochastic', not {rounding!r}")
     xb = to_buckets(x.astype(jnp.float32), bucket)
     lo, hi = bucket_range(xb)
     top = levels(bits)
@@ -263,7 +257,7 @@ def quantize(
     t = (xb - offsets[..., None]) * inv
     if rounding == "stochastic":
         counters = bucket_ids[..., None] * jnp.uint32(bucket) + jnp.arange(bucket, dtype=jnp.uint32)
-        u = hash_uniform(key, counters, phase)
+        u = hash_uniform(key, counters)
         q = jnp.floor(unfused(t, u) + u)
     else:
         q = jnp.round(t)

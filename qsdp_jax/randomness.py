@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-GOLDEN = 0x9E3779B9  # 2**32 / the golden ratio: the Weyl-sequence step of keys and phases
+GOLDEN = 0x9E3779B9  # 2**32 / the golden ratio: the odd multiplier that spreads keys
 
 
 def mix32(x: jax.Array) -> jax.Array:
@@ -39,20 +39,8 @@ def derive_key(seed, *parts) -> jax.Array:
     return k
 
 
-def hash_uniform(key: jax.Array, counter: jax.Array, phase: jax.Array | None = None) -> jax.Array:
-    """Uniform float32 in [0, 1) from a uint32 key and uint32 counters (any shape).
-
-    ``phase`` (a uint32 scalar) is added to every hash before its top 24 bits are taken: it
-    rotates each uniform by ``phase / 2**32`` modulo 1, so each stays uniform. With a key fixed
-    over steps and ``phase = step * 0x9E3779B9`` (:func:`golden_phase`), one counter's uniforms
-    over the steps are a golden-ratio (low-discrepancy) sequence."""
+def hash_uniform(key: jax.Array, counter: jax.Array) -> jax.Array:
+    """Uniform float32 in [0, 1) from a uint32 key and uint32 counters (any shape)."""
     counter = jnp.asarray(counter).astype(jnp.uint32)
     h = mix32(mix32(counter + jnp.asarray(key, jnp.uint32) * jnp.uint32(GOLDEN)) ^ key)
-    if phase is not None:
-        h = h + jnp.asarray(phase, jnp.uint32)
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
-
-
-def golden_phase(step: jax.Array) -> jax.Array:
-    """``step * 0x9E3779B9`` modulo 2**32: ``frac(step * 0.6180339...)`` in 32-bit fixed point."""
-    return jnp.asarray(step).astype(jnp.uint32) * jnp.uint32(GOLDEN)

@@ -16,7 +16,6 @@ CONFIGS = {
     "fp32": q.QSDPConfig.fp32(**SMALL),
     "W8G8": q.QSDPConfig.qsdp(8, 8, **SMALL),
     "W4G4": q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", **SMALL),
-    "W4G4-golden": q.QSDPConfig.qsdp(4, 4, weight_rounding="golden", **SMALL),
 }
 
 

@@ -39,7 +39,7 @@ def test_frozen():
         ("bucket_size", 64.0, "integer"),
         ("weight_mode", "zero++", "'qsdp', 'comm', 'full'"),
         ("grad_rounding", "floor", "'stochastic', 'nearest'"),
-        ("weight_rounding", "nearest", "'shift', 'stochastic', 'golden'"),
+        ("weight_rounding", "nearest", "'shift', 'stochastic'"),
         ("min_shard_size", -1, ">= 0"),
         ("seed", -3, ">= 0"),
         ("seed", 2**32, "2**32"),
@@ -53,15 +53,6 @@ def test_invalid_field(field, value, words):
     msg = str(e.value)
     assert f"QSDPConfig.{field}={value!r}" in msg
     assert words in msg
-
-
-def test_golden_rounding_is_named_and_only_for_on_grid_weights():
-    cfg = QSDPConfig.qsdp(4, 4, weight_rounding="golden")
-    assert cfg.name == "qsdp-sr-W4G4-golden"
-    for mode in ("comm", "full"):
-        bits = 4 if mode == "comm" else None
-        with pytest.raises(ValueError, match=rf"weight_rounding='golden'.*weight_mode='{mode}'"):
-            QSDPConfig(weight_mode=mode, weight_bits=bits, weight_rounding="golden")
 
 
 def test_mode_bits_consistency():

@@ -215,26 +215,6 @@ def test_hash_uniform_is_uniform_and_keyed():
     assert int(qz.derive_key(3, 4, 5)) == int(qz.derive_key(3, 4, 5)) != int(qz.derive_key(3, 5, 4))
 
 
-def test_golden_phase_rotates_each_uniform_and_keeps_rounding_unbiased():
-    """The golden weight rounding's noise: one key, phase ``golden_phase(t)``: each counter's
-    uniform is ``frac(u_0 + t * 0x9E3779B9 / 2**32)`` (``0.618...`` in 32-bit fixed point; to 24
-    bits), and a step's rounding stays unbiased."""
-    key, ctr = qz.derive_key(5), jnp.arange(1000, dtype=jnp.uint32)
-    u0 = np.asarray(qz.hash_uniform(key, ctr), np.float64)
-    for t in (1, 2, 1000, 123457):
-        ut = np.asarray(qz.hash_uniform(key, ctr, qz.golden_phase(t)), np.float64)
-        want = (u0 + (t * 0x9E3779B9 % 2**32) / 2**32) % 1.0
-        d = np.abs(ut - want)
-        assert np.all(np.minimum(d, 1 - d) < 2**-22), t  # 24-bit truncation of a 32-bit sum
-    x = _data(2 * BUCKET, seed=3)
-    draws = jax.vmap(lambda k: qz.quantize(x, 4, BUCKET, "stochastic", k, phase=qz.golden_phase(7))
-                     .dequantize())(qz.mix32(jnp.arange(2000, dtype=jnp.uint32)))
-    step = _bucket_range(x) / 15
-    assert np.all(np.abs(np.asarray(draws.mean(0)) - np.asarray(x)) <= 5 * step / (2 * np.sqrt(2000)) + 1e-5)
-    with pytest.raises(ValueError, match="phase is for rounding='stochastic'"):
-        qz.quantize(x, 4, BUCKET, "shift", key, phase=qz.golden_phase(1))
-
-
 def test_qtensor_is_a_pytree():
     qt = qz.quantize(_data(), 4, BUCKET, "nearest")
     leaves, treedef = jax.tree_util.tree_flatten(qt)

@@ -25,11 +25,11 @@ _GOLDEN = 0x9E3779B9  # a Python int: a jnp constant here would start JAX's back
 
 
 def _kernel(*refs, bits, rounding, output, target):
-    """One row block. Inputs: x (rb, G, 8) then per rounding: stochastic (key, phase (1,1),
-    base (rb,1)), shift (xi (rb,1)), grid (scales, offsets (rb,1)), nearest nothing. Outputs: packed
+    """One row block. Inputs: x (rb, G, 8) then per rounding: stochastic (key (1,1), base
+    (rb,1)), shift (xi (rb,1)), grid (scales, offsets (rb,1)), nearest nothing. Outputs: packed
     (rb, G, bits) or values (rb, G, 8), then scales and offsets unless rounding is "grid"."""
     x_ref, *rest = refs
-    n_in = {"stochastic": 3, "shift": 1, "grid": 2, "nearest": 0}[rounding]
+    n_in = {"stochastic": 2, "shift": 1, "grid": 2, "nearest": 0}[rounding]
     aux, outs = rest[:n_in], rest[n_in:]
     cols = [x_ref[:, :, k] for k in range(8)]
     top = qz.levels(bits)
@@ -46,14 +46,14 @@ def _kernel(*refs, bits, rounding, output, target):
             off = jnp.where(s == 0, lo, lo - qz.unfused(xi * s, s))
     inv = kp.inverse(s, target)
     if rounding == "stochastic":
-        key, phase = aux[0][...], aux[1][...]
+        key = aux[0][...]
         pos = jax.lax.broadcasted_iota(jnp.uint32, cols[0].shape, 1) * jnp.uint32(8)
-        ctr0 = aux[2][...] + pos
+        ctr0 = aux[1][...] + pos
     qs = []
     for k, col in enumerate(cols):
         t = (col - off) * inv
         if rounding == "stochastic":
-            u = kp.uniform(qz.mix32(qz.mix32(ctr0 + jnp.uint32(k)) ^ key) + phase)
+            u = kp.uniform(qz.mix32(qz.mix32(ctr0 + jnp.uint32(k)) ^ key))
             q = jnp.clip(jnp.floor(qz.unfused(t, u) + u), 0.0, float(top))
         else:
             q = kp.round_even(jnp.clip(t, 0.0, float(top)))
@@ -105,7 +105,7 @@ def _run(x, row_aux, scalar_aux, *, bits, bucket, rounding, output, target):
     return main, res[1].reshape(*lead, nb), res[2].reshape(*lead, nb)
 
 
-def _fresh_grid_aux(x, bits, bucket, rounding, key, bucket_ids, phase=None):
+def _fresh_grid_aux(x, bits, bucket, rounding, key, bucket_ids):
     """(row_aux, scalar_aux) of a fresh-grid rounding, after the reference's argument checks."""
     if rounding not in qz.ROUNDINGS:
         raise ValueError(f"rounding={rounding!r} is invalid: must be one of {qz.ROUNDINGS}")
@@ -113,15 +113,12 @@ def _fresh_grid_aux(x, bits, bucket, rounding, key, bucket_ids, phase=None):
         raise ValueError(f"rounding={rounding!r} needs a key")
     if rounding == "shift" and bits < 2:
         raise ValueError("rounding='shift' needs bits >= 2 (one spare level covers the shift)")
-    if phase is not None and rounding != "stochastic":
-        raise ValueError(f"a phase is for rounding='stochastic', not {rounding!r}")
     if bucket_ids is None:
         bucket_ids = qz.default_bucket_ids(x.shape, bucket)
     bucket_ids = jnp.asarray(bucket_ids).astype(jnp.uint32)
     if rounding == "stochastic":
         key = jnp.asarray(key, jnp.uint32)
-        phase = jnp.asarray(0 if phase is None else phase, jnp.uint32)
-        return [bucket_ids * jnp.uint32(bucket) + key * jnp.uint32(_GOLDEN)], [key, phase]
+        return [bucket_ids * jnp.uint32(bucket) + key * jnp.uint32(_GOLDEN)], [key]
     if rounding == "shift":
         return [qz.hash_uniform(key, bucket_ids)], []
     return [], []
@@ -142,10 +139,10 @@ def grid_pack(x, scales, offsets, bits, bucket, *, target):
                 output="pack", target=target)
 
 
-def project(x, bits, bucket, rounding, key=None, bucket_ids=None, phase=None, *, target):
+def project(x, bits, bucket, rounding, key=None, bucket_ids=None, *, target):
     """``(qt.dequantize(), qt.scales, qt.offsets)`` of ``qt = qz.quantize(x, ...)``: the values
     on a fresh grid, and that grid, in one pass."""
-    row_aux, scalar_aux = _fresh_grid_aux(x, bits, bucket, rounding, key, bucket_ids, phase)
+    row_aux, scalar_aux = _fresh_grid_aux(x, bits, bucket, rounding, key, bucket_ids)
     return _run(x, row_aux, scalar_aux, bits=bits, bucket=bucket, rounding=rounding,
                 output="values", target=target)
 
