@@ -114,7 +114,7 @@ def summarise(records: dict[RunKey, dict], settings: dict | None = None) -> dict
 # Markdown
 
 
-def _pct(x: float | None, sign: bool = True) -> str:
+def pct(x: float | None, sign: bool = True) -> str:
     return "n/a" if x is None else f"{100 * x:{'+' if sign else ''}.2f}%"
 
 
@@ -123,8 +123,8 @@ def interval_cell(g: dict | None) -> str:
     if g is None:
         return "no paired seed"
     if g["half_width"] is None:
-        return f"{_pct(g['mean'])} (1 seed, no interval)"
-    return f"{_pct(g['mean'])} [{_pct(g['low'])}, {_pct(g['high'])}]"
+        return f"{pct(g['mean'])} (1 seed, no interval)"
+    return f"{pct(g['mean'])} [{pct(g['low'])}, {pct(g['high'])}]"
 
 
 ZERO_CELL = {True: "yes", False: "**no**", None: ""}
@@ -138,8 +138,8 @@ def markdown_table(summary: dict, corpus: str) -> str:
     if sp is None:
         head = f"**{corpus}**: no fp32 run yet, so no gaps."
     else:
-        noise = (f"seed-to-seed sd {_pct(sp['sd_relative'], False)}, range "
-                 f"{_pct(sp['range_relative'], False)}" if sp["n"] > 1 else "one seed, no spread yet")
+        noise = (f"seed-to-seed sd {pct(sp['sd_relative'], False)}, range "
+                 f"{pct(sp['range_relative'], False)}" if sp["n"] > 1 else "one seed, no spread yet")
         head = (f"**{corpus}**: fp32 mean validation loss {sp['mean']:.4f} over {sp['n']} seed(s); "
                 f"{noise}. Gap: {INTERVAL_TEXT}.")
     lines = [head, "",
@@ -153,7 +153,7 @@ def markdown_table(summary: dict, corpus: str) -> str:
             gap, per_seed, zero = "reference", "", ""
         else:
             gap = interval_cell(r["gap"])
-            per_seed = ", ".join(_pct(g) for g in r["paired_gap"].values())
+            per_seed = ", ".join(pct(g) for g in r["paired_gap"].values())
             zero = ZERO_CELL[r["gap_interval_contains_zero"]]
         lines.append(
             f"| {r['name']} | {bits} | {r['wire_bytes_per_step'] / 1e6:.2f} | {ratio} | "

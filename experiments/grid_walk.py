@@ -58,9 +58,9 @@ def golden_project(x, bits: int, bucket: int, key, step):
     grid = qz.quantize(x, bits, bucket, "nearest")  # the same fresh grid as stochastic rounding's
     xb = qz.to_buckets(x, bucket)
     ctr = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
-    phase = jnp.uint32(step) * jnp.uint32(qz.GOLDEN)  # frac(step * 0.618...) in 32-bit fixed point
-    h = qz.mix32(qz.mix32(ctr + key * jnp.uint32(qz.GOLDEN)) ^ key) + phase
-    u = (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+    # frac(step * 0.618...): 32-bit fixed point, then rotate each weight's fixed uniform by it
+    phase = (jnp.uint32(step) * jnp.uint32(qz.GOLDEN)).astype(jnp.float32) * jnp.float32(2.0**-32)
+    u = jnp.mod(qz.hash_uniform(key, ctr) + phase, 1.0)
     s, off = grid.scales[..., None], grid.offsets[..., None]
     t = jnp.where(s == 0, 0.0, (xb - off) / jnp.where(s == 0, 1.0, s))
     q = jnp.clip(jnp.floor(t + u), 0, qz.levels(bits))

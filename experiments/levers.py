@@ -12,7 +12,7 @@ points of relative validation loss; negative = the lever lowers the loss.
 from __future__ import annotations
 
 from experiments import stats
-from experiments.frontier import LEVEL, ZERO_CELL, _pct, interval_cell
+from experiments.frontier import LEVEL, ZERO_CELL, pct, interval_cell
 from experiments.runbook import LEVERS
 
 
@@ -51,7 +51,7 @@ def markdown_table(summary: dict, corpus: str) -> str:
              "| configuration | against | lever | seeds | difference, mean [95% CI] | per seed | CI holds 0 |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        per_seed = ", ".join(_pct(d) for d in r["difference"].values())
+        per_seed = ", ".join(pct(d) for d in r["difference"].values())
         lines.append(f"| {r['config']} | {r['base']} | {r['lever']} | {len(r['seeds'])} | "
                      f"{interval_cell(r['mean'])} | {per_seed} | {ZERO_CELL[r['interval_contains_zero']]} |")
     return "\n".join(lines)
