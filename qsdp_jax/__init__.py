@@ -1,6 +1,6 @@
 """qsdp_jax: quantized fully-sharded data-parallel training (QSDP) for JAX.
 
-The public API; see README.md for a walk-through and ``../DESIGN.md`` for the invariants.
+The public API; see README.md for a walk-through and ``docs/design.md`` for the invariants.
 """
 
 from qsdp_jax import optim  # noqa: F401  (``qsdp_jax.optim.qsdp``)
@@ -27,7 +27,7 @@ from qsdp_jax.hierarchy import (
     two_level_reduce_scatter,
 )
 from qsdp_jax.quantizers import QTensor, dequantize, pack_bits, quantize, unpack_bits
-from qsdp_jax.sharding import FlatLayout, make_mesh
+from qsdp_jax.sharding import ParamLayout, make_mesh
 from qsdp_jax.watchdog import StepWatchdog
 from qsdp_jax.train import (
     ShardedParams,
@@ -42,10 +42,10 @@ from qsdp_jax.train import (
 __all__ = [
     "CheckpointMismatch",
     "Checkpointer",
-    "FlatLayout",
     "GatherSpec",
     "LocalParams",
     "ParamAccess",
+    "ParamLayout",
     "QSDPConfig",
     "QTensor",
     "ShardedParams",

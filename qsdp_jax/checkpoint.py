@@ -8,30 +8,26 @@ Usage::
     template = qsdp_jax.init_train_state(params, opt, mesh, config, stacked=...)  # any mesh
     state, extra = ckpt.restore(template, config, mesh)          # latest complete checkpoint
 
-**What is stored.** Every array leaf of the :class:`~qsdp_jax.train.TrainState` (whatever its
-fields: the state is walked generically), in a form that does not depend on the device count:
+**What is stored.** The state's leaves are ordinary global arrays of the model's shapes
+(``qsdp_jax.sharding``), so they are stored as they are: the ``arrays`` item holds
+``{"params": <the params dict>, "state": {leaf path: array}}`` (every other leaf: the step, the
+optimizer state, the model state). A plain orbax restore of ``arrays`` gives the params pytree as
+unsharded numpy arrays. Zero-size arrays (orbax refuses them) are stored as their shape and dtype
+only. Beside the arrays, a JSON record of what defines the checkpoint: the QSDPConfig, the
+layout (groups, leaves, shapes, dtypes), the geometry of each weight grid, every leaf's shape,
+the mesh shape, the library version, the step, the caller's ``identity`` (what must match) and
+``extra`` (what is carried, e.g. the data position).
 
-* a flat parameter buffer ``params["sharded"][group]`` is cut to its *bucketed* length (the
-  leaves padded to whole buckets; the padding that makes every device hold the same whole
-  buckets is dropped: it is zeros);
-* an optimizer-state leaf (leading device axis) that lives under ``["sharded"][group]`` (Adam's
-  moments, QSDP's per-bucket scales and offsets...) is concatenated over devices in global order
-  and cut the same way (to the bucketed length, or the bucketed number of buckets); any other
-  optimizer-state leaf (counts, moments of replicated leaves) is the same on every device and
-  is stored once;
-* zero-size arrays (orbax refuses them) are stored as their shape and dtype only;
-* beside the arrays, a JSON record of what defines the checkpoint: the QSDPConfig, the layout
-  (groups, leaves, shapes, dtypes, offsets), every leaf's shape, the mesh shape, the library
-  version, the step and the caller's ``identity`` (what must match, e.g. the run's settings)
-  and ``extra`` (what is carried, e.g. the data position).
-
-On restore the arrays are re-laid out for the template's mesh (padding with zeros, which is what
-a fresh state holds there: a constant bucket has scale 0 and offset 0), so a checkpoint made on
+**Resharding.** On restore every array is placed as the template's is, so a checkpoint made on
 8 devices loads on 4, on a hierarchical ``("node", "local")`` 2x4 mesh or a hybrid
-``("replica", "fsdp")`` one (and back) with weights, grid and optimizer state bit for bit: the
-config's mesh-placement fields (``axis_name``, ``node_axis``, ``replica_axis``) are not compared. Bucket ids are global,
-so the grid does not move. A config, layout, leaf or identity mismatch is refused with an error
-naming the field.
+``("replica", "fsdp")`` one (and back) bit for bit: the config's mesh-placement fields
+(``axis_name``, ``node_axis``, ``replica_axis``) are not compared. A QSDP weight grid has one
+scale and offset per bucket, and buckets live inside one device's shard: when a leaf's shard is
+whole buckets of its row-major order on both meshes (split on its first dimension; true of the
+usual transformer shapes) its buckets are the same on any device count, and the grid restores
+exactly. Otherwise the grid belongs to the old mesh: restore refuses, naming the leaves, unless
+``regrid=True`` re-projects them onto the new mesh's grid (:mod:`qsdp_jax.regrid`).
+A config, layout, leaf or identity mismatch is refused with an error naming the field.
 
 **Atomic.** Orbax writes a step into a temporary directory and renames it when complete; only
 complete steps are listed, so a checkpoint half-written when the process died is never picked up
@@ -43,20 +39,21 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from qsdp_jax import policy
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.sharding import FlatLayout
+from qsdp_jax.regrid import grid_leaf_keys
+from qsdp_jax.regrid import regrid as regrid_state
+from qsdp_jax.sharding import ParamLayout
 
-FORMAT = 1
+FORMAT = 2
 PyTree = Any
 
 
@@ -71,115 +68,36 @@ def library_version() -> str:
         return "unknown"
 
 
-# ----------------------------------------------------------------------------------------------
-# Leaf classification and the device-count-independent form
-# ----------------------------------------------------------------------------------------------
-def _bucketed(g) -> int:
-    """End of a group's last leaf in its flat buffer (round up to whole buckets for the length)."""
-    return max((s.offset + s.size for s in g.slots), default=0)
-
-
-def _kind(path, layout: FlatLayout) -> tuple[str, str | None]:
-    """``("flat", key)``, ``("opt_sharded", key)``, ``("opt_rep", None)`` or ``("plain", None)``
-    (``key``: the flat buffer's key, its group's name without a bit policy)."""
-    head = path[0].name if isinstance(path[0], jax.tree_util.GetAttrKey) else None
-    group = None
-    for a, b in zip(path, path[1:]):
-        if isinstance(a, jax.tree_util.DictKey) and a.key == "sharded" and isinstance(b, jax.tree_util.DictKey):
-            group = b.key
-            break
-    if head == "params" and group is not None:
-        return "flat", group
-    if head == "opt_state":
-        return ("opt_sharded", group) if group is not None else ("opt_rep", None)
-    return "plain", None
-
-
-def _real_length(total: int, g, bucket: int, where: str) -> int:
-    """The device-independent length of a sharded leaf's global last axis ``total``."""
-    real = -(-_bucketed(g) // bucket) * bucket
-    if total == 0:  # a zero-size placeholder (e.g. no grid in full-precision modes)
-        return 0
-    if total == g.flat_size:
-        return real
-    if total * bucket == g.flat_size:
-        return real // bucket
-    raise ValueError(
-        f"{where}: a leaf under ['sharded'][{g.name!r}] has global length {total}, neither the "
-        f"buffer's {g.flat_size} nor its {g.flat_size // bucket} buckets; cannot store it "
-        "independently of the device count"
-    )
-
-
-def _export_leaf(x, path, layout: FlatLayout):
-    kind, group = _kind(path, layout)
-    where = jax.tree_util.keystr(path)
-    if kind == "flat":
-        g = layout.buffer(group)
-        return x[..., : _real_length(x.shape[-1], g, layout.bucket, where)]
-    if kind == "opt_sharded":
-        g = layout.buffer(group)
-        full = jnp.moveaxis(x, 0, -2).reshape(*x.shape[1:-1], x.shape[0] * x.shape[-1])
-        return full[..., : _real_length(full.shape[-1], g, layout.bucket, where)]
-    if kind == "opt_rep":
-        return x[0]
-    return x
-
-
-def _import_leaf(saved: np.ndarray, like, path, layout: FlatLayout) -> np.ndarray:
-    """The array of shape ``like.shape`` for this mesh from the stored form (numpy, on host).
-    The device count is the template's leading optimizer-state axis (whatever the mesh's
-    shape)."""
-    kind, group = _kind(path, layout)
-    n = like.shape[0] if kind in ("opt_sharded", "opt_rep") else 1
-    where = jax.tree_util.keystr(path)
-    if kind in ("flat", "opt_sharded"):
-        total = like.shape[-1] * (n if kind == "opt_sharded" else 1)
-        lead = like.shape[1:-1] if kind == "opt_sharded" else like.shape[:-1]
-        real = _real_length(total, layout.buffer(group), layout.bucket, where)
-        if saved.shape != (*lead, real):
-            raise CheckpointMismatch(f"{where}: the checkpoint holds shape {saved.shape}, this state needs {(*lead, real)}")
-        full = np.zeros((*lead, total), saved.dtype)
-        full[..., :real] = saved
-        if kind == "flat":
-            return full
-        return np.moveaxis(full.reshape(*lead, n, total // n), -2, 0)
-    if kind == "opt_rep":
-        if saved.shape != tuple(like.shape[1:]):
-            raise CheckpointMismatch(f"{where}: the checkpoint holds shape {saved.shape}, this state needs {like.shape[1:]}")
-        return np.broadcast_to(saved, like.shape)
-    if saved.shape != tuple(like.shape):
-        raise CheckpointMismatch(f"{where}: the checkpoint holds shape {saved.shape}, this state needs {like.shape}")
-    return saved
-
-
-_EXPORT_CACHE: dict = {}
+FORMAT_NAMES = {1: "flat per-layer buffers (qsdp_jax before the per-parameter layout)"}
 
 
 def export_state(state, mesh: Mesh) -> dict[str, jax.Array]:
-    """``{path: array}`` of every leaf of ``state`` in the device-count-independent form
-    (replicated arrays on ``mesh``)."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-    paths = tuple(p for p, _ in leaves)
-    key = (treedef, paths, mesh, tuple((x.shape, str(x.dtype)) for _, x in leaves))
-    fn = _EXPORT_CACHE.get(key)
+    """``{leaf path: array}`` of every leaf of ``state``, replicated on ``mesh``."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    out = _replicate(mesh)([x for _, x in leaves])
+    return {jax.tree_util.keystr(p): x for (p, _), x in zip(leaves, out)}
+
+
+_REPLICATE: dict = {}
+
+
+def _replicate(mesh: Mesh):
+    fn = _REPLICATE.get(mesh)
     if fn is None:
-        layout = state.layout
+        _REPLICATE.clear()  # one mesh per process in practice; keep memory bounded
+        fn = _REPLICATE[mesh] = jax.jit(lambda xs: xs, out_shardings=NamedSharding(mesh, P()))
+    return fn
 
-        def export(xs):
-            return [_export_leaf(x, p, layout) for p, x in zip(paths, xs)]
 
-        fn = jax.jit(export, out_shardings=NamedSharding(mesh, P()))
-        _EXPORT_CACHE.clear()  # one layout per process in practice; keep memory bounded
-        _EXPORT_CACHE[key] = fn
-    out = fn([x for _, x in leaves])
-    return {jax.tree_util.keystr(p): x for p, x in zip(paths, out)}
+def _stored_name(key: str) -> tuple[str, str] | None:
+    """Where a leaf path lives in the ``arrays`` item: ``("params", subpath)`` or None (state)."""
+    return ("params", key[len(".params"):]) if key.startswith(".params") else None
 
 
 # ----------------------------------------------------------------------------------------------
 # What defines a checkpoint
 # ----------------------------------------------------------------------------------------------
-def describe_layout(layout: FlatLayout) -> dict:
+def describe_layout(layout: ParamLayout) -> dict:
     """The device-count-independent part of a layout (the model's shape as the state sees it)."""
     return {
         "bucket": layout.bucket,
@@ -188,14 +106,27 @@ def describe_layout(layout: FlatLayout) -> dict:
                 "stacked": g.stacked,
                 "n_layers": g.n_layers,
                 "treedef": str(g.treedef),
-                "num_leaves": g.num_leaves,
-                "slots": [[s.index, list(s.shape), s.dtype, s.offset, s.size] for s in g.slots],
-                "replicated": list(g.replicated),
-                **policy.describe_buffers(g),
+                "leaves": [[x.path, list(x.shape), x.dtype] for x in g.leaves],
             }
             for g in layout.groups
         },
     }
+
+
+def describe_grids(layout: ParamLayout, config: QSDPConfig) -> dict:
+    """``{leaf path: geometry}`` of every weight grid (``"qsdp"`` mode): ``"row-major"`` where
+    the buckets do not depend on the device count, else the split and the shard count."""
+    if config.weight_mode != "qsdp":
+        return {}
+    out = {}
+    for (g, x), bits in zip(layout.leaves(), layout.weight_bits(config)):
+        if bits is None:
+            continue
+        if x.dim == 0 and x.local_size % layout.bucket == 0:
+            out[x.path] = "row-major"
+        else:
+            out[x.path] = f"dim {x.dim} over {layout.num_shards} shards, {x.buckets} buckets each"
+    return out
 
 
 def _config_record(config: QSDPConfig) -> dict:
@@ -217,6 +148,7 @@ def describe(state, config: QSDPConfig, mesh: Mesh, identity: dict | None = None
         "format": FORMAT,
         "config": _config_record(config),
         "layout": describe_layout(state.layout),
+        "grids": describe_grids(state.layout, config),
         "identity": _jsonable(identity or {}),
     }
 
@@ -257,6 +189,30 @@ def _first_difference(a, b, prefix: str):
                 return d
         return None
     return None if a == b else (prefix, a, b)
+
+
+def _check_format(meta: dict, where: str) -> None:
+    if meta.get("format") != FORMAT:
+        old = FORMAT_NAMES.get(meta.get("format"), f"format {meta.get('format')!r}")
+        raise CheckpointMismatch(
+            f"{where} was written in {old}; this version of qsdp_jax reads format {FORMAT} "
+            "(per-parameter leaves): restore it with the version that wrote it, or start afresh")
+
+
+def _moved_grids(saved: dict, wanted: dict) -> list[str]:
+    """The leaves whose QSDP grid has other buckets here (see the module docstring)."""
+    return sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+
+
+def _refuse_grids(saved: dict, wanted: dict, moved: list[str], where: str) -> None:
+    k = moved[0]
+    raise CheckpointMismatch(
+        f"{where}: the weight grid of {len(moved)} leaves has other buckets on this mesh "
+        f"({k}: {saved.get(k, 'no grid')!r} in the checkpoint, {wanted.get(k, 'no grid')!r} "
+        "here): a grid restores exactly only where a leaf's shard is whole buckets of its "
+        "row-major order on both meshes. Restore on the checkpoint's mesh shape, or pass "
+        "regrid=True to re-project those weights onto this mesh's grid (round to nearest)"
+    )
 
 
 def _jsonable(x):
@@ -320,59 +276,110 @@ class Checkpointer:
             step=step, mesh_shape={k: int(v) for k, v in mesh.shape.items()},
             library_version=library_version(), extra=_jsonable(extra or {}),
             leaves={k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
-            names={k: f"leaf_{i:04d}" for i, k in enumerate(arrays)},
         )
+        names = {k: f"leaf_{i:04d}" for i, k in enumerate(arrays) if _stored_name(k) is None}
+        meta["names"] = names
         # Host copies now (each process holds the full replicated array): the caller may donate
         # or delete the state as soon as this returns; the files are written in the background.
-        stored = {meta["names"][k]: np.asarray(v.addressable_data(0)) for k, v in arrays.items() if v.size > 0}
+        host = {k: np.asarray(v.addressable_data(0)) for k, v in arrays.items()}
+        params = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(state.params),
+            [host[".params" + jax.tree_util.keystr(p)]
+             for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]])
+        stored = {"params": params, "state": {names[k]: v for k, v in host.items() if k in names and v.size}}
         return bool(self._manager.save(
             step, args=ocp.args.Composite(arrays=ocp.args.PyTreeSave(stored), meta=ocp.args.JsonSave(meta)),
             force=force,
         ))
 
     def restore(self, template, config: QSDPConfig, mesh: Mesh, *, step: int | None = None,
-                identity: dict | None = None):
+                identity: dict | None = None, regrid: bool = False):
         """``(state, extra)`` from a checkpoint (default: the latest complete one), laid out
         like ``template`` (a TrainState, concrete or abstract, for this mesh and config).
 
-        Raises :class:`CheckpointMismatch` naming the field when the config, layout, leaves or
-        ``identity`` differ, and ``FileNotFoundError`` when there is no checkpoint.
+        Args:
+          template: a TrainState for this mesh and config (concrete or abstract).
+          config: this run's config.
+          mesh: this run's mesh.
+          step: the step to restore (default: the newest complete one).
+          identity: what must match the saved run's (e.g. its settings).
+          regrid: where a weight grid's buckets differ on this mesh (see the module docstring),
+            re-project those weights onto this mesh's grid by round to nearest (each moves by
+            at most half a grid step) instead of refusing. Needs a concrete template.
+
+        Raises:
+          CheckpointMismatch: naming the field, when the config, layout, grids, leaves or
+            ``identity`` differ.
+          FileNotFoundError: when there is no complete checkpoint.
         """
         self.wait()
         step = self._pick(step)
         meta = self.metadata(step)
+        where = f"checkpoint {self.directory}/{step}"
+        _check_format(meta, where)
+        wanted = describe(template, config, mesh, identity)
         check_match(_comparable({k: meta.get(k) for k in ("format", "config", "layout", "identity")}),
-                    _comparable(describe(template, config, mesh, identity)),
-                    where=f"checkpoint {self.directory}/{step}")
+                    _comparable({k: wanted[k] for k in ("format", "config", "layout", "identity")}), where=where)
+        moved = _moved_grids(meta.get("grids", {}), wanted["grids"])
+        if moved and not regrid:
+            _refuse_grids(meta.get("grids", {}), wanted["grids"], moved, where)
+        template_values = {}
+        if moved:
+            keys = grid_leaf_keys(template, moved)
+            template_values = {jax.tree_util.keystr(p): x for p, x in
+                               jax.tree_util.tree_flatten_with_path(template)[0]
+                               if jax.tree_util.keystr(p) in keys}
         leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
         want = {jax.tree_util.keystr(p) for p, _ in leaves}
-        missing, unexpected = sorted(want - set(meta["leaves"])), sorted(set(meta["leaves"]) - want)
+        missing = sorted(want - set(meta["leaves"]) - set(template_values))
+        unexpected = sorted(set(meta["leaves"]) - want)
         if missing or unexpected:
             raise CheckpointMismatch(
-                f"checkpoint {self.directory}/{step} holds another state structure: missing "
+                f"{where} holds another state structure: missing "
                 f"{missing[:3]}, unexpected {unexpected[:3]} (a different optimizer or model?)"
             )
         arrays = self.load_arrays(step)
         out = []
         for path, like in leaves:
-            host = _import_leaf(arrays[jax.tree_util.keystr(path)], like, path, template.layout)
+            key = jax.tree_util.keystr(path)
+            if key in template_values:  # a grid of this mesh's buckets, filled by regrid below
+                out.append(template_values[key])
+                continue
+            host = arrays[key]
+            if tuple(host.shape) != tuple(like.shape):
+                raise CheckpointMismatch(f"{key}: the checkpoint holds shape {host.shape}, this state needs {like.shape}")
             if str(host.dtype) != str(like.dtype):
-                key = jax.tree_util.keystr(path)
                 raise CheckpointMismatch(f"{key}: the checkpoint holds {host.dtype}, this state needs {like.dtype}")
             out.append(_to_device(host, like.sharding))
-        return jax.tree_util.tree_unflatten(treedef, out), meta.get("extra", {})
+        state = jax.tree_util.tree_unflatten(treedef, out)
+        if moved:
+            warnings.warn(f"{where}: the weight grids of {moved} have other buckets on this mesh; "
+                          "their weights were re-projected onto it (round to nearest)", stacklevel=2)
+            state = regrid_state(state, moved, config, mesh)
+        return state, meta.get("extra", {})
 
     def load_arrays(self, step: int | None = None) -> dict[str, np.ndarray]:
-        """The stored device-count-independent arrays ``{leaf path: array}`` (zero-size ones
-        included), e.g. to compare two runs' final states."""
+        """The stored arrays ``{leaf path: numpy array}`` (zero-size ones included), e.g. to
+        compare two runs' final states."""
         step = self._pick(step)
         meta = self.metadata(step)
-        names = meta["names"]
-        stored = [names[k] for k, (shape, _) in meta["leaves"].items() if int(np.prod(shape)) > 0]
+        _check_format(meta, f"checkpoint {self.directory}/{step}")
+        tree = self._manager.item_metadata(step)["arrays"]
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
         got = self._manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.PyTreeRestore(
-            restore_args={n: ocp.RestoreArgs(restore_type=np.ndarray) for n in stored})))["arrays"]
-        return {k: np.asarray(got[names[k]]) if int(np.prod(shape)) > 0 else np.zeros(shape, dtype)
-                for k, (shape, dtype) in meta["leaves"].items()}
+            item=tree, restore_args=as_numpy)))["arrays"]
+        params = {".params" + jax.tree_util.keystr(p): np.asarray(x)
+                  for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]}
+        state = got.get("state", {})
+        out = {}
+        for k, (shape, dtype) in meta["leaves"].items():
+            if k in params:
+                out[k] = params[k]
+            elif int(np.prod(shape)) == 0:
+                out[k] = np.zeros(shape, dtype)
+            else:
+                out[k] = np.asarray(state[meta["names"][k]])
+        return out
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are complete."""

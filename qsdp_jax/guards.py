@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.sharding import FlatLayout
+from qsdp_jax.sharding import ParamLayout
 
 
 def check_params(params, stacked) -> None:
@@ -74,7 +74,7 @@ class CheckedStep:
 PADDING_WARN_RATIO = 32
 
 
-def warn_padding(layout: FlatLayout, config: QSDPConfig) -> None:
+def warn_padding(layout: ParamLayout, config: QSDPConfig) -> None:
     """Warn when whole-bucket padding makes the sharded buffers far larger than the leaves."""
     real = sum(g.real_size * max(g.n_layers, 1) for g in layout.groups)
     held = sum(g.held_size * max(g.n_layers, 1) for g in layout.groups)

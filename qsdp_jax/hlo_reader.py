@@ -182,6 +182,27 @@ def _split_top(s: str) -> list[str]:
 # Replica groups
 
 
+def _mesh_replica_groups(text: str) -> tuple[tuple[int, ...], ...]:
+    """The mesh form ``mesh['a'=8,'b'=1] {'a'}`` (newer XLA, for collectives GSPMD inserts): the
+    devices of an iota mesh that differ only along the listed axes form one group."""
+    m = re.fullmatch(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
+    if not m:
+        raise ValueError(f"cannot parse mesh replica groups {text!r}")
+    axes = [(a.strip().strip("'\""), int(n)) for a, n in
+            (item.split("=") for item in m.group(1).split(",") if item.strip())]
+    listed = [a.strip().strip("'\"") for a in m.group(2).split(",") if a.strip()]
+    names = [a for a, _ in axes]
+    if any(a not in names for a in listed):
+        raise ValueError(f"mesh replica groups {text!r} name an axis the mesh does not have")
+    import numpy as np
+
+    ids = np.arange(math.prod(n for _, n in axes)).reshape([n for _, n in axes])
+    order = [i for i, a in enumerate(names) if a not in listed] + [names.index(a) for a in listed]
+    size = math.prod(n for a, n in axes if a in listed)
+    ids = ids.transpose(order).reshape(-1, size)
+    return tuple(tuple(int(x) for x in row) for row in ids)
+
+
 def parse_replica_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
     """Device groups of a ``replica_groups`` attribute value.
 
@@ -190,6 +211,8 @@ def parse_replica_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], 
     ``T(perm)``: ``arange(prod(d)).reshape(d).transpose(perm).reshape(G, S)``.
     """
     text = text.strip()
+    if text.startswith("mesh["):
+        return _mesh_replica_groups(text)
     if text.startswith("["):
         m = re.fullmatch(r"\[([\d,\s]+)\]\s*<=\s*\[([\d,\s]+)\](?:\s*T\(([\d,\s]+)\))?", text)
         if not m:

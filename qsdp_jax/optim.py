@@ -1,52 +1,54 @@
 """Optax transformations for QSDP: keep the weights on a randomly shifted quantization grid.
 
-``qsdp(base, config)`` wraps any optax transformation. After the base update, each quantized
-leaf's new value ``params + u`` is projected onto a fresh grid (per-bucket min/max scale, offset
-shifted by ``xi * scale`` with ``xi ~ U[0, 1)``, round to nearest; unbiased in expectation over
-``xi``) and the returned update is ``projected - params``. So ``optax.apply_updates(params,
-updates)`` lands on the grid up to float rounding; :func:`snap_to_grid` lands on it exactly (the
-sharded train step does this, which makes its weight all-gather lossless).
+``qsdp(base, config)`` wraps any optax transformation. After the base update, each gridded
+leaf's new value ``params + u`` is projected onto a fresh grid (per-bucket min/max; stochastic
+rounding, or the paper's random shift, per ``config.weight_rounding``; unbiased either way) and
+the returned update is ``projected - params``. So ``optax.apply_updates(params, updates)`` lands
+on the grid up to float rounding; :func:`snap_to_grid` lands on it exactly (the sharded train
+step does this, which makes its weight all-gather lossless). A leaf whose base update is zero
+everywhere (a frozen leaf, an ``optax.MultiSteps`` micro-step) keeps its values and its grid.
 
-It works in two settings:
+**The optimizer sees global arrays.** In the sharded train step (``qsdp_jax.make_train_step``)
+the base transformation runs on the model's own pytree of global, sharded arrays, outside any
+``shard_map``: every optax transformation (``clip_by_global_norm``, LAMB, LARS, Adafactor, Muon,
+masks keyed on the params' structure) computes exactly what it computes on one device, XLA adding
+the cross-device reductions a norm needs. Only the projection and snap run per device, on the
+buckets of each device's shard (:mod:`qsdp_jax.grid`); bucket ids are global.
 
-* **a plain single-device loop** (Flax or optax): every floating leaf with at least
-  ``config.min_shard_size`` elements is flattened, padded to whole buckets and kept on its grid;
-  smaller leaves are updated in full precision.
-* **inside the sharded train step** (``qsdp_jax.make_train_step``), which declares through
-  :func:`sharding_context` which leaves are local shards of flat buffers; bucket ids are then
-  global, so the grid of a buffer does not depend on how many devices share it.
+In a plain single-device loop every floating leaf with at least ``config.min_shard_size``
+elements is kept on its grid; smaller leaves are updated in full precision.
 
-A step whose gradients hold NaN or Inf returns zero updates and the unchanged state (in the
-sharded step the check is global over devices). Randomness: the shift of bucket ``b`` of leaf
-``i`` after update ``count`` is ``hash(derive_key(seed, WEIGHT, count, i), b)``, a pure function
-of the run's seed and position, never of host state.
+A step whose gradients hold NaN or Inf returns zero updates and the unchanged state.
+Randomness: the grid of bucket ``b`` of leaf ``i`` after update ``count`` is keyed by
+``hash(derive_key(seed, WEIGHT, count, i), b)``, a pure function of the run's seed and position.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
-from qsdp_jax import kernels as qk
-from qsdp_jax import policy
-from qsdp_jax import quantizers as qz
+from qsdp_jax import grid as qgrid
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.shard_context import (  # noqa: F401  (re-exported: ``optim.sharding_context``, ...)
-    ShardContext,
-    all_finite,
-    clip_by_global_norm,
-    current_context,
-    global_norm,
-    sharding_context,
-)
+from qsdp_jax.grid import layout_context  # noqa: F401  (re-exported: ``optim.layout_context``)
 
 PyTree = Any
-PURPOSE_WEIGHT = 1
+PURPOSE_WEIGHT = qgrid.PURPOSE_WEIGHT
+
+clip_by_global_norm = optax.clip_by_global_norm
+"""``optax.clip_by_global_norm`` (an alias kept for older scripts): the optimizer sees global
+arrays in the sharded step, so optax's own clip is exact there."""
+
+
+def all_finite(tree: PyTree) -> jax.Array:
+    """True when every float in ``tree`` is finite (over the global arrays)."""
+    bad = sum(jnp.sum(~jnp.isfinite(x)).astype(jnp.int32)
+              for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact))
+    return jnp.asarray(bad, jnp.int32) == 0
 
 
 @jax.tree_util.register_dataclass
@@ -74,141 +76,19 @@ class QSDPState:
 
 
 # ----------------------------------------------------------------------------------------------
-# Per-leaf grid geometry
-# ----------------------------------------------------------------------------------------------
-class _Geometry(NamedTuple):
-    """How a params leaf maps to 2-D bucketed rows, and the global ids of its buckets."""
-
-    sharded: bool
-    rows: int
-    cols: int  # padded to whole buckets
-    size: int  # real elements per row (single-device: the leaf's size)
-
-
-def _geometry(x: jax.Array, sharded: bool, bucket: int) -> _Geometry:
-    if sharded:
-        cols = x.shape[-1]
-        if cols % bucket:
-            raise ValueError(
-                f"sharded leaf of local length {cols} is not whole buckets of {bucket}: the "
-                f"optimizer was built with QSDPConfig.bucket_size={bucket}, the train state's "
-                "layout with another; build both from the same QSDPConfig"
-            )
-        return _Geometry(True, x.size // cols, cols, cols)
-    return _Geometry(False, 1, -(-x.size // bucket) * bucket, x.size)
-
-
-def _as_rows(x: jax.Array, geo: _Geometry) -> jax.Array:
-    if geo.sharded:
-        return x.reshape(geo.rows, geo.cols).astype(jnp.float32)
-    flat = x.reshape(1, geo.size).astype(jnp.float32)
-    pad = geo.cols - geo.size
-    return jnp.pad(flat, ((0, 0), (0, pad)), mode="edge") if pad else flat
-
-
-def _from_rows(rows: jax.Array, like: jax.Array, geo: _Geometry) -> jax.Array:
-    if geo.sharded:
-        return rows.reshape(like.shape).astype(like.dtype)
-    return rows[:, : geo.size].reshape(like.shape).astype(like.dtype)
-
-
-def _bucket_ids(geo: _Geometry, bucket: int, ctx: ShardContext | None) -> jax.Array:
-    nb = geo.cols // bucket
-    local = jnp.arange(nb, dtype=jnp.uint32)
-    if not geo.sharded:
-        return local[None, :]
-    shard = lax.axis_index(ctx.axis_name).astype(jnp.uint32)
-    row_stride = jnp.uint32(nb * ctx.num_shards)
-    rows = jnp.arange(geo.rows, dtype=jnp.uint32)[:, None]
-    return rows * row_stride + shard * jnp.uint32(nb) + local[None, :]
-
-
-def _mask_for(params: PyTree, config: QSDPConfig, ctx: ShardContext | None) -> list[bool]:
-    leaves = jax.tree_util.tree_leaves(params)
-    if ctx is not None:
-        mask = jax.tree_util.tree_leaves(ctx.mask)
-        if len(mask) != len(leaves):
-            raise ValueError("sharding_context mask does not match the params structure")
-        return [bool(m) for m in mask]
-    return [
-        jnp.issubdtype(x.dtype, jnp.floating) and x.size >= config.min_shard_size for x in leaves
-    ]
-
-
-def _bits_for(params: PyTree, config: QSDPConfig, ctx: ShardContext | None) -> list:
-    """Weight bits of every params leaf (None: no grid): the sharding context's (a bit policy
-    in the sharded step), else ``config.bit_policy`` on the leaf paths, else the config's."""
-    if ctx is not None and ctx.bits is not None:
-        return list(ctx.bits)
-    if ctx is None and config.bit_policy:
-        return policy.tree_weight_bits(params, config)
-    return [config.weight_bits] * len(jax.tree_util.tree_leaves(params))
-
-
-def _empty():
-    return jnp.zeros((0,), jnp.float32)
-
-
-def _project_leaf(x, geo, config, key, ctx, bits):
-    """A fresh ``bits``-bit grid from the values of ``x`` (random shift, or stochastic rounding
-    per ``config.weight_rounding``); returns (projected x, scales, offsets)."""
-    rows = _as_rows(x, geo)
-    ids = _bucket_ids(geo, config.bucket_size, ctx)
-    bucket, rounding = config.bucket_size, config.weight_rounding
-
-    def reference(r, k, i):
-        qt = qz.quantize(r, bits, bucket, rounding, k, bucket_ids=i)
-        return qt.dequantize(), qt.scales, qt.offsets
-
-    def kernel(r, k, i, target):
-        return qk.project(r, bits, bucket, rounding, k, bucket_ids=i, target=target)
-
-    # float32 grids only: QSDPConfig refuses bf16 stats with on-grid weights
-    values, scales, offsets = qk.select(config.kernels, reference, kernel, rows, key, ids, bucket=bucket)
-    return _from_rows(values, x, geo), scales, offsets
-
-
-def _project_leaves(values, mask, count, config, ctx, old_scales, old_offsets, bits):
-    """Project each masked leaf onto a fresh grid of its ``bits`` keyed by (seed, count, leaf
-    index).
-
-    Returns (projected values, None where unmasked; scales; offsets, the old ones where
-    unmasked)."""
-    out_v, out_s, out_o = [], [], []
-    for i, (x, m, b) in enumerate(zip(values, mask, bits)):
-        if not m or b is None:
-            out_v.append(None)
-            out_s.append(old_scales[i])
-            out_o.append(old_offsets[i])
-            continue
-        key = qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i)
-        v, sc, off = _project_leaf(x, _geometry(x, ctx is not None, config.bucket_size), config, key, ctx, b)
-        out_v.append(v)
-        out_s.append(sc)
-        out_o.append(off)
-    return out_v, out_s, out_o
-
-
-def _snap_leaf(x, scales, offsets, geo, config, bits):
-    rows = _as_rows(x, geo)
-    bucket = config.bucket_size
-    values = qk.select(
-        config.kernels,
-        lambda r, s, o: qz.quantize_on_grid(r, s, o, bits, bucket).dequantize(),
-        lambda r, s, o, target: qk.snap(r, s, o, bits, bucket, target=target),
-        rows, scales, offsets, bucket=bucket,
-    )
-    return _from_rows(values, x, geo)
-
-
-# ----------------------------------------------------------------------------------------------
 # The transformation
 # ----------------------------------------------------------------------------------------------
 def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.GradientTransformationExtraArgs:
-    """Wrap ``base`` so that parameters stay on QSDP's shifted grid (weight_mode ``"qsdp"``).
+    """Wrap ``base`` so that parameters stay on QSDP's grid (weight_mode ``"qsdp"``).
 
-    With weight_mode ``"comm"`` or ``"full"`` the weights stay full precision and only the
-    non-finite guard is added. ``update`` needs ``params`` in ``"qsdp"`` mode.
+    Args:
+      base: any optax transformation; it sees the global params and gradients.
+      config: the run's config (the train step refuses another).
+
+    Returns:
+      An optax transformation; ``update`` needs ``params`` in ``"qsdp"`` mode. With weight_mode
+      ``"comm"`` or ``"full"`` the weights stay full precision and only the non-finite guard is
+      added.
     """
     if not isinstance(config, QSDPConfig):
         raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
@@ -216,9 +96,7 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
     projecting = config.weight_mode == "qsdp"
 
     def init(params):
-        ctx = current_context()
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        mask = _mask_for(params, config, ctx) if projecting else [False] * len(leaves)
         count = jnp.zeros((), jnp.int32)
         inner = base.init(params)
         if find_qsdp_state(inner) is not None:
@@ -226,9 +104,9 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
                 "the optimizer is wrapped with qsdp_jax.optim.qsdp() twice: wrap the base "
                 "optimizer once (qsdp(base, config))"
             )
-        empty = [_empty()] * len(leaves)
-        bits = _bits_for(params, config, ctx)
-        _, scales, offsets = _project_leaves(leaves, mask, count, config, ctx, empty, empty, bits)
+        scales = offsets = [qgrid.empty_grid()] * len(leaves)
+        if projecting:
+            _, scales, offsets = qgrid.project(leaves, qgrid.geometries(params, config), config, count)
         return QSDPState(
             count=count,
             scales=jax.tree_util.tree_unflatten(treedef, scales),
@@ -240,7 +118,6 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
         )
 
     def update(updates, state: QSDPState, params=None, **extra_args):
-        ctx = current_context()
         if projecting and params is None:
             raise ValueError("qsdp_jax.optim.qsdp needs params in update() to project onto the grid")
         finite = all_finite(updates)
@@ -248,18 +125,7 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
         count = state.count + 1
         scales, offsets = state.scales, state.offsets
         if projecting:
-            leaves, treedef = jax.tree_util.tree_flatten(params)
-            moved = [p + u.astype(p.dtype) for p, u in zip(leaves, treedef.flatten_up_to(inner_updates))]
-            proj, new_s, new_o = _project_leaves(
-                moved, _mask_for(params, config, ctx), count, config, ctx,
-                treedef.flatten_up_to(state.scales), treedef.flatten_up_to(state.offsets),
-                _bits_for(params, config, ctx),
-            )
-            new_u = [u if v is None else v - p
-                     for p, u, v in zip(leaves, treedef.flatten_up_to(inner_updates), proj)]
-            inner_updates = jax.tree_util.tree_unflatten(treedef, new_u)
-            scales = jax.tree_util.tree_unflatten(treedef, new_s)
-            offsets = jax.tree_util.tree_unflatten(treedef, new_o)
+            inner_updates, scales, offsets = _project_updates(params, inner_updates, state, count, config)
         new_state = QSDPState(
             count=count, scales=scales, offsets=offsets, inner=inner_state,
             bits=state.bits, bucket=state.bucket, config=state.config,
@@ -269,6 +135,30 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
         return out_updates, jax.tree.map(keep, new_state, state)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _project_updates(params, updates, state: QSDPState, count, config: QSDPConfig):
+    """The base updates replaced by ``projected - params``, and the new grids. A leaf whose
+    update is zero everywhere keeps its values and grid."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    ups = treedef.flatten_up_to(updates)
+    old_s, old_o = treedef.flatten_up_to(state.scales), treedef.flatten_up_to(state.offsets)
+    geos = qgrid.geometries(params, config)
+    moved = [p + u.astype(p.dtype) for p, u in zip(leaves, ups)]
+    proj, new_s, new_o = qgrid.project(moved, geos, config, count)
+    out_u, out_s, out_o = [], [], []
+    for p, u, v, s, o, s0, o0 in zip(leaves, ups, proj, new_s, new_o, old_s, old_o):
+        if v is None:
+            out_u.append(u)
+            out_s.append(s0)
+            out_o.append(o0)
+            continue
+        still = ~jnp.any(u != 0)
+        out_u.append(jnp.where(still, jnp.zeros_like(p), v - p))
+        out_s.append(jnp.where(still, s0, s))
+        out_o.append(jnp.where(still, o0, o))
+    unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)  # noqa: E731
+    return unflat(out_u), unflat(out_s), unflat(out_o)
 
 
 def find_qsdp_state(opt_state: PyTree) -> QSDPState | None:
@@ -292,16 +182,9 @@ def snap_to_grid(params: PyTree, opt_state: PyTree, config: QSDPConfig) -> PyTre
     st = find_qsdp_state(opt_state)
     if st is None or st.bits is None:
         return params
-    ctx = current_context()
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    s_leaves = treedef.flatten_up_to(st.scales)
-    o_leaves = treedef.flatten_up_to(st.offsets)
-    out = []
-    for x, s, o, b in zip(leaves, s_leaves, o_leaves, _bits_for(params, config, ctx)):
-        if s.size == 0:
-            out.append(x)
-        else:
-            out.append(_snap_leaf(x, s, o, _geometry(x, ctx is not None, st.bucket), config, b))
+    out = qgrid.snap(leaves, qgrid.geometries(params, config), treedef.flatten_up_to(st.scales),
+                     treedef.flatten_up_to(st.offsets), config)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

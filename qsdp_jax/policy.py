@@ -3,7 +3,7 @@
 **Paths.** A leaf's path is its group's name and its keys inside the group joined by ``"/"``:
 ``{"embed": {"tok": w}}`` gives ``"embed/tok"``; a list entry is its index (``"blocks/0/w"``);
 a Flax NNX model's groups (``qsdp_jax.nnx``) give e.g. ``"embed/tok/embedding"`` or
-``"blocks/attn/qkv/kernel"``. ``FlatLayout.leaf_paths()`` lists them for a model.
+``"blocks/attn/qkv/kernel"``. ``ParamLayout.leaf_paths()`` lists them for a model.
 
 **Patterns.** Shell-style, case-sensitive (``fnmatch.fnmatchcase``) on the whole path: ``*``
 matches any characters, ``/`` included (``"embed*"`` is the whole ``embed`` group, ``"*kernel"``
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 from typing import Any, Sequence
 
 import jax
@@ -103,9 +104,20 @@ def bits_label(bits: Bits) -> str:
 
 
 def buffer_key(group: str, bits: Bits | None) -> str:
-    """The key of a buffer in ``params["sharded"]``: the group's name for the config's bits,
+    """The key of a gather buffer: the group's name for the config's bits,
     ``"group@W8G8"`` for a policy's."""
     return group if bits is None else f"{group}@{bits_label(bits)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one sharded leaf's local block lives in its group's flat gather buffer (per layer)."""
+
+    index: int  # position among the group's leaves (treedef order)
+    shape: tuple[int, ...]  # per-layer shape of one device's block
+    dtype: str
+    offset: int  # in one device's chunk
+    size: int  # elements of the block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,13 +125,13 @@ class Buffer:
     """One flat buffer of a group: the group's sharded leaves that share one (weight_bits,
     grad_bits). Without a bit policy every group has one, keyed by the group's name."""
 
-    key: str  # its key in params["sharded"]: the group's name, or "group@W8G8" (qsdp_jax.policy)
+    key: str  # the group's name, or "group@W8G8" (qsdp_jax.policy)
     group: str
     index: int  # 0: the buffer at the config's bits; 1, 2, ...: a policy's, in key order
     bits: tuple | None  # (weight_bits, grad_bits) from the bit policy; None: the config's
-    slots: tuple  # of qsdp_jax.sharding.Slot
-    flat_size: int  # padded length (per layer)
-    chunk: int  # flat_size // num_shards
+    slots: tuple  # of Slot, one per leaf, in one device's chunk
+    flat_size: int  # the gathered buffer's length (per layer): num_shards * chunk
+    chunk: int  # one device's packed length (per layer): its blocks, each padded to whole buckets
     stacked: bool
     n_layers: int
 
@@ -137,29 +149,19 @@ class Buffer:
 
 
 def bits_table(layout, config=None) -> str:
-    """The bits of every sharded leaf of a ``FlatLayout``, buffer by buffer: the summary of a
+    """The bits of every sharded leaf of a ``ParamLayout``, buffer by buffer: the summary of a
     ``QSDPConfig.bit_policy``. With ``config`` the config's bits are written out, else shown
     as ``config``; ``fp``: full precision (the config's ``fp_comm_dtype``)."""
     rows = [f"{'leaf':<40}{'buffer':<22}{'weight':>8}{'grad':>8}{'elements':>11}"]
     fmt = lambda b: "fp" if b is None else str(b)  # noqa: E731
     for g in layout.groups:
         paths = g.leaf_paths()
+        sizes = [math.prod(x.shape) for x in g.leaves]
         for b in g.buffers:
             if b.bits is None and config is None:
                 w = gr = "config"
             else:
                 w, gr = map(fmt, b.resolved_bits(config) if b.bits is None else b.bits)
             for s in b.slots:
-                rows.append(f"{paths[s.index]:<40}{b.key:<22}{w:>8}{gr:>8}{s.size:>11}")
+                rows.append(f"{paths[s.index]:<40}{b.key:<22}{w:>8}{gr:>8}{sizes[s.index]:>11}")
     return "\n".join(rows)
-
-
-def describe_buffers(group) -> dict:
-    """A group's policy buffers as a checkpoint records them (``{}`` without: the records of
-    policy-less layouts stay what they were)."""
-    if not group.policy_buffers:
-        return {}
-    return {"policy_buffers": {
-        b.key: {"bits": list(b.bits), "slots": [[s.index, s.offset, s.size] for s in b.slots]}
-        for b in group.policy_buffers
-    }}

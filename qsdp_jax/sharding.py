@@ -1,22 +1,33 @@
-"""Meshes and the sharded layout of a parameter pytree.
+"""Meshes, and how each parameter leaf is sharded (per-parameter FSDP, as in PyTorch FSDP2).
 
-Layout (FSDP's FlatParameter idea): parameters are a dict of *groups*. In each group, every
-leaf with at least ``min_shard_size`` elements (per layer, for a layer-stacked group) is
-flattened into one float32 buffer, each leaf padded to whole buckets so that no bucket spans two
-leaves, and the buffer is padded to a multiple of ``num_shards * bucket`` so that every device
-holds the same number of whole buckets. The buffer is sharded over the FSDP axis: device ``i``
-holds elements ``[i * chunk, (i + 1) * chunk)``. Any shape works this way (a 7x13 matrix on 8
-devices is 91 elements in a 8 * bucket buffer). Smaller leaves (biases, norm scales) stay
-full precision and replicated on every device. One buffer per group (per layer) means one
-collective per group, whatever its number of leaves: quantization is batched, and the compiled
-step stays small.
+**The rule.** The parameters are the model's own pytree (a dict of *groups*), and every leaf is a
+global ``jax.Array``. A leaf is *sharded* over the FSDP axis (axes) when it is floating point,
+has at least ``min_shard_size`` elements (per layer, for a layer-stacked group) and some
+dimension divides by the shard count: it is split on the **first** such dimension (after the
+layer axis of a stacked group). The first, not the largest: then each device's shard is one
+contiguous block of the row-major leaf, so when that block is whole buckets the buckets do not
+depend on the device count (a checkpoint reshards with its grid unchanged, and the sharded
+QSDP step equals the single-device one bit for bit). Any other leaf is *replicated* on every
+device in full precision (its gradient averaged); a large leaf that divides on no dimension is
+replicated with a warning naming it (pad the model's dimension to fix it).
+
+**Buckets** live inside one device's shard: device ``i``'s block of a leaf, flattened
+row-major and padded to whole buckets, holds buckets ``i * nb .. (i + 1) * nb - 1`` of that leaf
+(``nb`` per shard; per layer for a stacked leaf). A leaf's grid (QSDP mode) is therefore a
+``(rows, n * nb)`` array sharded on its last axis, ``rows`` the layer count or 1.
+
+**Communication** stays one collective per group (per layer): inside the step each group's local
+shards are packed into one flat buffer (each leaf's block padded to whole buckets, then
+concatenated: :mod:`qsdp_jax.packing`), all-gathered (quantized) and unpacked into the full
+leaves; the gradient comes back through one reduce-scatter of the same buffer. A bit policy
+gives a group one buffer per distinct bits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+import warnings
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -25,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qsdp_jax import policy
-from qsdp_jax.policy import Buffer
+from qsdp_jax.policy import Buffer, Slot
 
 PyTree = Any
 
@@ -119,65 +130,95 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def shard_dim(shape: Sequence[int], num_shards: int) -> int | None:
+    """The dimension of ``shape`` a leaf is split on over ``num_shards`` devices: the first that
+    divides (see the module docstring), or None when none does."""
+    for d, size in enumerate(shape):
+        if size % num_shards == 0 and size > 0:
+            return d
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
-class Slot:
-    """Where one sharded leaf lives in its group's flat buffer (per layer)."""
+class LeafLayout:
+    """How one parameter leaf is held: its per-layer shape, and the dimension it is split on.
+
+    ``dim`` indexes the per-layer ``shape`` (add 1 for the global array of a stacked leaf);
+    None: replicated. ``local_size``: elements of one device's block (per layer); ``buckets``:
+    buckets per device (per layer), the block padded to whole buckets.
+    """
 
     index: int  # position among the group's leaves (treedef order)
-    shape: tuple[int, ...]  # per-layer shape
+    path: str  # qsdp_jax.policy path, e.g. "blocks/attn/q"
+    shape: tuple[int, ...]  # per layer
     dtype: str
-    offset: int
-    size: int
+    dim: int | None
+    local_size: int
+    buckets: int
+
+    @property
+    def sharded(self) -> bool:
+        return self.dim is not None
+
+    def local_shape(self, num_shards: int) -> tuple[int, ...]:
+        """The per-layer shape of one device's block."""
+        if self.dim is None:
+            return self.shape
+        s = list(self.shape)
+        s[self.dim] //= num_shards
+        return tuple(s)
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupLayout:
-    """One parameter group. ``slots`` / ``flat_size`` / ``chunk`` describe its buffer at the
-    config's bits (keyed by the group's name); a bit policy adds ``policy_buffers``."""
+    """One parameter group: its leaves, and the flat buffer(s) its sharded leaves are packed
+    into for the collectives (one at the config's bits, keyed by the group's name, and one per
+    other bits of a ``QSDPConfig.bit_policy``)."""
 
     name: str
     stacked: bool
     n_layers: int  # 0 for a non-stacked group
     treedef: Any
-    num_leaves: int
-    slots: tuple[Slot, ...]  # sharded leaves at the config's bits
-    replicated: tuple[int, ...]  # leaf indices kept replicated
-    flat_size: int  # padded length of the flat buffer (per layer); 0 if nothing is sharded
-    chunk: int  # flat_size // num_shards
-    policy_buffers: tuple[Buffer, ...] = ()  # buffers of leaves a bit policy gives other bits
+    leaves: tuple[LeafLayout, ...]
+    buffers: tuple[Buffer, ...]
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.leaves)
+
+    @property
+    def replicated(self) -> tuple[int, ...]:
+        return tuple(x.index for x in self.leaves if not x.sharded)
 
     @property
     def is_sharded(self) -> bool:
-        return self.flat_size > 0 or bool(self.policy_buffers)
+        return bool(self.buffers)
 
     @property
     def real_size(self) -> int:
-        return sum(s.size for b in self.buffers for s in b.slots)
+        """Sharded elements of the group (per layer)."""
+        return sum(math.prod(self.leaves[s.index].shape) for b in self.buffers for s in b.slots)
 
     @property
     def held_size(self) -> int:
-        """Padded elements of all the group's buffers (per layer)."""
+        """Padded elements of all the group's gather buffers (per layer, all devices)."""
         return sum(b.flat_size for b in self.buffers)
 
+    flat_size = held_size  # the gathered length of the group (per layer), as collectives count it
+
     @property
-    def buffers(self) -> tuple[Buffer, ...]:
-        """Every flat buffer of the group: the one at the config's bits (if it holds leaves),
-        then the policy's."""
-        main = ()
-        if self.flat_size > 0:
-            main = (Buffer(self.name, self.name, 0, None, self.slots, self.flat_size, self.chunk,
-                           self.stacked, self.n_layers),)
-        return main + self.policy_buffers
+    def chunk(self) -> int:
+        """One device's packed elements of all the group's buffers (per layer)."""
+        return sum(b.chunk for b in self.buffers)
 
     def leaf_paths(self) -> list[str]:
         """The ``qsdp_jax.policy`` path of every leaf, in treedef order."""
-        tree = jax.tree_util.tree_unflatten(self.treedef, [0] * self.num_leaves)
-        return policy.tree_paths(self.name, tree)
+        return [x.path for x in self.leaves]
 
 
 @dataclasses.dataclass(frozen=True)
-class FlatLayout:
-    """The map between a parameter dict and its sharded state (see module docstring)."""
+class ParamLayout:
+    """Static description of a sharded parameter pytree (see the module docstring)."""
 
     groups: tuple[GroupLayout, ...]
     num_shards: int
@@ -193,8 +234,8 @@ class FlatLayout:
         stacked: Sequence[str] = (),
         bit_policy: Sequence[tuple] = (),
         default_bits: tuple | None = None,
-    ) -> "FlatLayout":
-        """The layout of ``params`` (see the module docstring). ``bit_policy``
+    ) -> "ParamLayout":
+        """The layout of ``params`` (concrete or abstract arrays). ``bit_policy``
         (``QSDPConfig.bit_policy``) puts the sharded leaves a rule gives other bits than
         ``default_bits`` (the config's ``(weight_bits, grad_bits)``) into buffers of their own;
         a rule that matches no sharded leaf is a ``ValueError``."""
@@ -203,53 +244,20 @@ class FlatLayout:
         unknown = set(stacked) - set(params)
         if unknown:
             raise ValueError(f"stacked groups {sorted(unknown)} are not in params (groups: {sorted(params)})")
-        groups, sharded_paths, replicated_paths = [], [], []
+        groups, sharded_paths, replicated_paths, undivided = [], [], [], []
         for name in sorted(params):
-            leaves, treedef = jax.tree_util.tree_flatten(params[name])
-            paths = policy.tree_paths(name, params[name]) if bit_policy else []
-            is_stacked = name in stacked
-            n_layers = 0
-            if is_stacked:
-                dims = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-                if len(dims) != 1 or None in dims:
-                    raise ValueError(
-                        f"stacked group {name!r} needs the same leading layer axis on every leaf, "
-                        f"got leading dims {sorted(map(str, dims))}"
-                    )
-                n_layers = dims.pop()
-            by_bits: dict = {None: ([], 0)}
-            replicated = []
-            for i, x in enumerate(leaves):
-                shape = tuple(np.shape(x)[1:] if is_stacked else np.shape(x))
-                size = math.prod(shape)
-                dtype = _dtype(x)
-                if not jnp.issubdtype(dtype, jnp.floating) or size < min_shard_size or size == 0:
-                    replicated.append(i)
-                    replicated_paths += paths[i : i + 1]
-                    continue
-                bits = policy.leaf_bits(bit_policy, paths[i]) if bit_policy else None
-                bits = None if bits == default_bits else bits
-                sharded_paths += paths[i : i + 1]
-                slots, offset = by_bits.get(bits, ([], 0))
-                by_bits[bits] = (slots + [Slot(i, shape, str(dtype), offset, size)],
-                                 offset + _round_up(size, bucket))
-            slots, offset = by_bits.pop(None)
-            flat = _round_up(offset, num_shards * bucket) if slots else 0
-            extra = []
-            for j, bits in enumerate(sorted(by_bits, key=policy.bits_label), start=1):
-                b_slots, b_offset = by_bits[bits]
-                b_flat = _round_up(b_offset, num_shards * bucket)
-                extra.append(Buffer(policy.buffer_key(name, bits), name, j, bits, tuple(b_slots),
-                                    b_flat, b_flat // num_shards, is_stacked, n_layers))
-            groups.append(
-                GroupLayout(
-                    name=name, stacked=is_stacked, n_layers=n_layers, treedef=treedef,
-                    num_leaves=len(leaves), slots=tuple(slots), replicated=tuple(replicated),
-                    flat_size=flat, chunk=flat // num_shards, policy_buffers=tuple(extra),
-                )
-            )
+            g = _group_layout(name, params[name], name in stacked, num_shards, bucket, min_shard_size,
+                              bit_policy, default_bits, undivided)
+            groups.append(g)
+            for x in g.leaves:
+                (sharded_paths if x.sharded else replicated_paths).append(x.path)
         if bit_policy:
             policy.check_rules_match(bit_policy, sharded_paths, replicated_paths)
+        if undivided:
+            warnings.warn(
+                f"parameters {undivided} divide over {num_shards} devices on no dimension: they are "
+                "replicated on every device, in full precision (make one of their dimensions a "
+                f"multiple of {num_shards} to shard them)", stacklevel=3)
         return cls(groups=tuple(groups), num_shards=num_shards, bucket=bucket)
 
     def group(self, name: str) -> GroupLayout:
@@ -263,93 +271,62 @@ class FlatLayout:
 
     @property
     def buffers(self) -> tuple[Buffer, ...]:
-        """Every flat buffer, group by group (the keys of ``params["sharded"]``)."""
+        """Every gather buffer, group by group."""
         return tuple(b for g in self.groups for b in g.buffers)
 
     def buffer(self, key: str) -> Buffer:
         for b in self.buffers:
             if b.key == key:
                 return b
-        raise KeyError(f"unknown flat buffer {key!r}; buffers are {[b.key for b in self.buffers]}")
+        raise KeyError(f"unknown gather buffer {key!r}; buffers are {[b.key for b in self.buffers]}")
 
     def leaf_paths(self) -> dict[str, list[str]]:
         """``{group: [leaf path, ...]}``: the paths a ``QSDPConfig.bit_policy`` matches."""
         return {g.name: g.leaf_paths() for g in self.groups}
 
-    # --- pytree <-> flat -----------------------------------------------------------------------
-    def flatten(self, params: dict[str, PyTree]) -> dict[str, dict]:
-        """``{"sharded": {buffer key: flat}, "replicated": {group: tuple of leaves}}``.
+    def leaves(self) -> list[tuple[GroupLayout, LeafLayout]]:
+        """Every leaf with its group, in ``jax.tree.leaves(params)`` order (groups sorted)."""
+        return [(g, x) for g in self.groups for x in g.leaves]
 
-        ``flat`` is (flat_size,) or (n_layers, flat_size) float32; a group's buffer is keyed by
-        its name (a bit policy adds ``"group@W8G8"`` buffers).
-        """
-        sharded, replicated = {}, {}
+    def weight_bits(self, config) -> list:
+        """The weight bits of every leaf in ``leaves()`` order: None for a replicated leaf or a
+        bit policy's full-precision one."""
+        by_leaf = {}
         for g in self.groups:
-            leaves = jax.tree_util.tree_leaves(params[g.name])
-            if len(leaves) != g.num_leaves:
-                raise ValueError(f"group {g.name!r} has {len(leaves)} leaves, the layout expects {g.num_leaves}")
-            replicated[g.name] = tuple(jnp.asarray(leaves[i]) for i in g.replicated)
             for b in g.buffers:
-                lead = (g.n_layers,) if g.stacked else ()
-                parts = []
                 for s in b.slots:
-                    x = jnp.asarray(leaves[s.index], jnp.float32).reshape(*lead, s.size)
-                    parts.append(_pad_to(x, _round_up(s.size, self.bucket)))
-                flat = jnp.concatenate(parts, axis=-1)
-                sharded[b.key] = _pad_to(flat, b.flat_size)
-        return {"sharded": sharded, "replicated": replicated}
-
-    def unflatten_group(self, name: str, flat, replicated: tuple) -> PyTree:
-        """One group's pytree from its full flat buffer(s) and its replicated leaves (with the
-        same leading axes). ``flat``: ``{buffer key: buffer}`` (``(flat_size,)``, or with
-        leading layer axes), or the one buffer of a group without policy buffers."""
-        g = self.group(name)
-        leaves: list = [None] * g.num_leaves
-        for i, x in zip(g.replicated, replicated):
-            leaves[i] = x
-        buffers = g.buffers
-        if not isinstance(flat, Mapping):
-            if len(buffers) > 1:
-                raise ValueError(f"group {name!r} has buffers {[b.key for b in buffers]}: pass a dict")
-            flat = {b.key: flat for b in buffers}
-        for b in buffers:
-            lead = flat[b.key].shape[:-1]
-            pieces = split_flat(flat[b.key], tuple((s.offset, s.size) for s in b.slots))
-            for s, x in zip(b.slots, pieces):
-                leaves[s.index] = x.reshape(*lead, *s.shape).astype(s.dtype)
-        return jax.tree_util.tree_unflatten(g.treedef, leaves)
-
-    def unflatten(self, state_params: dict[str, dict]) -> dict[str, PyTree]:
-        """Inverse of :func:`flatten` (on full, gathered buffers)."""
-        return {
-            g.name: self.unflatten_group(
-                g.name, {b.key: state_params["sharded"][b.key] for b in g.buffers},
-                state_params["replicated"][g.name],
-            )
-            for g in self.groups
-        }
+                    by_leaf[(g.name, s.index)] = b.resolved_bits(config)[0]
+        return [by_leaf.get((g.name, x.index)) for g, x in self.leaves()]
 
     # --- shardings -----------------------------------------------------------------------------
-    def specs(self, axis_name: str) -> dict[str, dict]:
-        """PartitionSpecs of the flattened state: buffers sharded on their last axis."""
-        sharded = {b.key: (P(None, axis_name) if b.stacked else P(axis_name)) for b in self.buffers}
-        replicated = {g.name: tuple(P() for _ in g.replicated) for g in self.groups}
-        return {"sharded": sharded, "replicated": replicated}
+    def unflatten(self, leaves: Sequence[Any]) -> dict[str, PyTree]:
+        """The params dict from values in ``leaves()`` order."""
+        out, i = {}, 0
+        for g in self.groups:
+            out[g.name] = jax.tree_util.tree_unflatten(g.treedef, list(leaves[i : i + g.num_leaves]))
+            i += g.num_leaves
+        return out
 
-    def shardings(self, mesh: Mesh, axis_name: str) -> dict[str, dict]:
-        return jax.tree.map(
-            lambda spec: NamedSharding(mesh, spec), self.specs(axis_name),
-            is_leaf=lambda x: isinstance(x, P),
-        )
+    def specs(self, axes) -> dict[str, PyTree]:
+        """The PartitionSpec of every leaf (the params' structure)."""
+        return self.unflatten([leaf_spec(g, x, axes) for g, x in self.leaves()])
+
+    def grid_specs(self, axes) -> dict[str, PyTree]:
+        """The PartitionSpec of every leaf's grid (QSDP mode): rows x buckets, split on buckets."""
+        return self.unflatten([P(None, axes) if x.sharded else P() for _, x in self.leaves()])
+
+    def shardings(self, mesh: Mesh, axes) -> dict[str, PyTree]:
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs(axes),
+                            is_leaf=lambda x: isinstance(x, P))
 
     def table(self) -> str:
-        """A readable summary: per group, sharded elements, padding, replicated leaves."""
-        rows = [f"{'group':<14}{'layers':>7}{'sharded':>12}{'padded':>12}{'replicated':>12}"]
-        for g in self.groups:
-            rows.append(
-                f"{g.name:<14}{g.n_layers:>7}{g.real_size:>12}{g.held_size:>12}{len(g.replicated):>12}"
-            )
-        if any(g.policy_buffers for g in self.groups):
+        """A readable summary: per leaf, its shape, the dimension it is split on, its buffer."""
+        rows = [f"{'leaf':<36}{'shape':>18}{'split on':>10}{'buckets/dev':>13}"]
+        for g, x in self.leaves():
+            shape = ((g.n_layers,) if g.stacked else ()) + x.shape
+            split = "replicated" if x.dim is None else f"dim {x.dim + int(g.stacked)}"
+            rows.append(f"{x.path:<36}{str(shape):>18}{split:>10}{x.buckets:>13}")
+        if any(b.bits is not None for b in self.buffers):
             rows += ["", self.bits_table()]
         return "\n".join(rows)
 
@@ -358,51 +335,57 @@ class FlatLayout:
         return policy.bits_table(self, config)
 
 
-def split_flat(flat: jax.Array, spans: tuple[tuple[int, int], ...]) -> tuple[jax.Array, ...]:
-    """The pieces ``flat[..., offset : offset + size]`` for ``(offset, size)`` in ``spans``
-    (increasing, non-overlapping).
-
-    Differentiable like the slices, but its transpose is one concatenation of the cotangents
-    with zeros in the gaps. The slices' own transpose pads every cotangent to the full buffer
-    and adds them up: one buffer-sized temporary and add per leaf, which XLA:CPU kept
-    unfused in the quantized step (6 per layer of the small GPT, measured as a large part of
-    the quantized step's overhead).
-    """
-    return _split(flat, tuple(spans), flat.shape[-1])
+def leaf_spec(g: GroupLayout, x: LeafLayout, axes) -> P:
+    """The PartitionSpec of a leaf's global array (a stacked leaf's layer axis is never split)."""
+    if x.dim is None:
+        return P()
+    lead = 1 if g.stacked else 0
+    spec = [None] * (len(x.shape) + lead)
+    spec[x.dim + lead] = axes
+    return P(*spec)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _split(flat, spans, total):
-    return tuple(flat[..., o : o + n] for o, n in spans)
+def _group_layout(name, tree, is_stacked, n, bucket, min_shard_size, bit_policy, default_bits,
+                  undivided) -> GroupLayout:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    paths = policy.tree_paths(name, tree)
+    n_layers = _layer_count(name, leaves) if is_stacked else 0
+    out, by_bits = [], {}
+    for i, leaf in enumerate(leaves):
+        shape = tuple(np.shape(leaf)[1:] if is_stacked else np.shape(leaf))
+        size, dtype = math.prod(shape), _dtype(leaf)
+        large = jnp.issubdtype(dtype, jnp.floating) and size >= min_shard_size and size > 0
+        dim = shard_dim(shape, n) if large else None
+        if large and dim is None:
+            undivided.append(f"{paths[i]} {shape}")
+        local = size // n if dim is not None else size
+        out.append(LeafLayout(i, paths[i], shape, str(dtype), dim, local, -(-local // bucket)))
+        if dim is not None:
+            bits = policy.leaf_bits(bit_policy, paths[i]) if bit_policy else None
+            by_bits.setdefault(None if bits == default_bits else bits, []).append(out[-1])
+    buffers = []
+    others = sorted((b for b in by_bits if b is not None), key=policy.bits_label)
+    for bits in ([None] if None in by_bits else []) + others:
+        slots, offset = [], 0
+        for x in by_bits[bits]:
+            slots.append(Slot(x.index, x.local_shape(n), x.dtype, offset, x.local_size))
+            offset += x.buckets * bucket
+        index = 0 if bits is None else others.index(bits) + 1  # keys the buffer's gradient noise
+        buffers.append(Buffer(policy.buffer_key(name, bits), name, index, bits, tuple(slots),
+                              offset * n, offset, is_stacked, n_layers))
+    return GroupLayout(name, is_stacked, n_layers, treedef, tuple(out), tuple(buffers))
 
 
-def _split_fwd(flat, spans, total):
-    return _split(flat, spans, total), None
-
-
-def _split_bwd(spans, total, _, cts):
-    lead, dtype = cts[0].shape[:-1], cts[0].dtype
-    parts, end = [], 0
-    for (o, n), ct in zip(spans, cts):
-        if o > end:
-            parts.append(jnp.zeros((*lead, o - end), dtype))
-        parts.append(jnp.asarray(ct, dtype))
-        end = o + n
-    if total > end:
-        parts.append(jnp.zeros((*lead, total - end), dtype))
-    return (jnp.concatenate(parts, axis=-1),)
-
-
-_split.defvjp(_split_fwd, _split_bwd)
+def _layer_count(name: str, leaves) -> int:
+    dims = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+    if len(dims) != 1 or None in dims:
+        raise ValueError(
+            f"stacked group {name!r} needs the same leading layer axis on every leaf, "
+            f"got leading dims {sorted(map(str, dims))}"
+        )
+    return dims.pop()
 
 
 def _dtype(x) -> np.dtype:
     """The dtype of an array, a ShapeDtypeStruct or a Python scalar."""
     return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
-
-
-def _pad_to(x: jax.Array, n: int) -> jax.Array:
-    pad = n - x.shape[-1]
-    if pad == 0:
-        return x
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])

@@ -1,4 +1,4 @@
-"""The sharded train step: FSDP with quantized collectives, per-layer gathers, shard updates.
+"""The sharded train step: FSDP with quantized collectives, per-layer gathers, a global optimizer.
 
 Usage::
 
@@ -9,24 +9,24 @@ Usage::
     step = qsdp_jax.make_train_step(loss_fn, opt, mesh, config)
     state, metrics = step(state, batch)
 
-``loss_fn(p: ParamAccess, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``) reads
-its parameters through ``p.gather(group)`` / ``p.scan(group, body, carry)``
-(``qsdp_jax.access``). Inside the step, which is one ``jax.shard_map`` over the mesh:
+``state.params`` is the model's own pytree of global arrays, each leaf sharded over the FSDP
+axis by the rule of :mod:`qsdp_jax.sharding`; the optimizer state is sharded like its params
+(:mod:`qsdp_jax.state_specs`). ``loss_fn(p: ParamAccess, batch) -> loss`` (or ``(loss, aux)``
+with ``has_aux=True``) reads its parameters through ``p.gather(group)`` / ``p.scan(group, body,
+carry)`` (``qsdp_jax.access``). One step:
 
-1. each device takes its slice of the batch (the global batch must divide over the devices);
-2. ``gather`` all-gathers a group's flat buffer (quantized per the config; lossless in
-   ``"qsdp"`` mode), ``scan`` does the same one layer at a time inside ``lax.scan`` and
-   rematerialises the layer in the backward pass, so peak memory holds one layer's weights;
-3. the backward pass of each gather reduce-scatters that buffer's gradient (quantized), so each
-   device receives the summed gradient of its own shard; replicated small leaves are averaged
-   with ``pmean``;
-4. the optimizer updates the local shards; in ``"qsdp"`` mode the new weights are snapped
-   exactly onto the new grid held in the optimizer state;
-5. if any gradient is non-finite on any device, weights and optimizer state are left as they
+1. **forward and backward in one ``jax.shard_map``**: each device takes its slice of the batch;
+   ``gather`` packs a group's local blocks into one buffer and all-gathers it (quantized per
+   the config; lossless in ``"qsdp"`` mode), ``scan`` does so one layer at a time inside
+   ``lax.scan`` and rematerialises the layer in the backward pass; the backward of each gather
+   reduce-scatters that buffer's gradient (quantized), so each device receives the summed
+   gradient of its own blocks; replicated small leaves' gradients are averaged
+   (:mod:`qsdp_jax.sharded_access`);
+2. **the optimizer in the global view**, outside the ``shard_map``: any optax transformation
+   computes what it computes on one device; in ``"qsdp"`` mode ``qsdp_jax.optim.qsdp`` projects
+   the new weights onto fresh grids per device block, and they are snapped exactly onto them;
+3. if any gradient or new weight is non-finite, weights and optimizer state are left as they
    were and ``metrics["nonfinite"]`` is 1.
-
-Gradient-quantization keys are ``derive_key(seed, GRAD, step, group, layer)`` folded with the
-sender's index: the backward re-gather and every resumed run see the same randomness.
 """
 
 from __future__ import annotations
@@ -41,15 +41,15 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qsdp_jax import optim as qoptim
-from qsdp_jax import quantizers as qz
-from qsdp_jax.collectives import make_gather
 from qsdp_jax.config import QSDPConfig
+from qsdp_jax.grid import layout_context
 from qsdp_jax.guards import CheckedStep, check_params, warn_padding
-from qsdp_jax.hierarchy import device_mean, gather_spec, mesh_sizes
-from qsdp_jax.sharding import Buffer, FlatLayout
+from qsdp_jax.hierarchy import device_mean, mesh_sizes
+from qsdp_jax.sharded_access import ShardedParams  # noqa: F401  (re-exported)
+from qsdp_jax.sharding import ParamLayout
+from qsdp_jax.state_specs import opt_state_shardings, opt_state_specs
 
 PyTree = Any
-PURPOSE_GRAD = 2
 
 
 @jax.tree_util.register_dataclass
@@ -59,11 +59,10 @@ class TrainState:
 
     Attributes:
       step: int32 scalar, replicated; counts every step, skipped (non-finite) ones included.
-      params: ``{"sharded": {group: flat buffer}, "replicated": {group: tuple of leaves}}``
-        (see ``qsdp_jax.sharding.FlatLayout``); flat buffers are sharded over the FSDP axis.
-      opt_state: the optimizer state of each device's local params, stacked on a leading device
-        axis sharded over the FSDP axis (so any optax state shards without extra rules).
-      layout: static; maps ``params`` back to the model's pytree.
+      params: the model's params dict of groups, global arrays, each leaf sharded per
+        ``layout`` (``qsdp_jax.sharding``): what a plain loop would hold, spread over devices.
+      opt_state: the optimizer's state of those params, global arrays sharded like them.
+      layout: static; how each leaf is sharded and packed for the collectives.
       model_state: the non-parameter state of a Flax NNX model (``qsdp_jax.nnx``): batch
         statistics, counters, RNG keys as ``{"path/to/var": array}``, replicated; ``None``
         for the ``ParamAccess`` API.
@@ -72,96 +71,12 @@ class TrainState:
     step: jax.Array
     params: dict
     opt_state: PyTree
-    layout: FlatLayout = dataclasses.field(metadata=dict(static=True))
+    layout: ParamLayout = dataclasses.field(metadata=dict(static=True))
     model_state: PyTree = None
 
 
-class ShardedParams:
-    """:class:`qsdp_jax.access.ParamAccess` inside the train step (see the module docstring)."""
-
-    def __init__(self, layout: FlatLayout, params: dict, grid, step, config: QSDPConfig):
-        self._layout = layout
-        self._params = params
-        self._grid = grid  # (scales, offsets) trees over params["sharded"], or None
-        self._step = step
-        self._config = config
-        self._gather = make_gather(gather_spec(config))
-
-    def _key(self, group: str, layer, buffer: Buffer) -> jax.Array:
-        gi = self._layout.group_index(group)
-        if buffer.index == 0:
-            return qz.derive_key(self._config.seed, PURPOSE_GRAD, self._step, gi, layer)
-        return qz.derive_key(self._config.seed, PURPOSE_GRAD, self._step, gi, layer, buffer.index)
-
-    def _gather_buffer(self, buffer: Buffer, shard, grid, key):
-        """One buffer's gather (its gradient's reduce-scatter in the backward), at its bits."""
-        if buffer.bits is None:
-            return self._gather(shard, grid, key)
-        return make_gather(gather_spec(self._config.buffer_config(*buffer.bits)))(shard, grid, key)
-
-    def _grid_of(self, buffer: Buffer):
-        """(scales, offsets) of a buffer's local shard: (n_buckets,) or (n_layers, n_buckets);
-        None without a grid (not ``"qsdp"`` mode, or a policy's full-precision buffer)."""
-        if self._grid is None or buffer.resolved_bits(self._config)[0] is None:
-            return None
-        scales, offsets = self._grid[0][buffer.key], self._grid[1][buffer.key]
-        if not buffer.stacked:  # the optimizer keeps 2-D rows: (1, n_buckets)
-            scales, offsets = scales.reshape(-1), offsets.reshape(-1)
-        return scales, offsets
-
-    def gather(self, group: str) -> PyTree:
-        g = self._layout.group(group)
-        if g.stacked:
-            raise ValueError(f"group {group!r} is layer-stacked: read it with scan(), not gather()")
-        flat = {
-            b.key: self._gather_buffer(b, self._params["sharded"][b.key], self._grid_of(b), self._key(group, 0, b))
-            for b in g.buffers
-        }
-        return self._layout.unflatten_group(group, flat, self._params["replicated"][group])
-
-    def scan(self, group, body, init, xs=None, *, remat=True):
-        g = self._layout.group(group)
-        if not g.stacked:
-            raise ValueError(f"group {group!r} is not layer-stacked: read it with gather(), not scan()")
-        buffers = g.buffers
-        shards = {b.key: self._params["sharded"][b.key] for b in buffers}
-        grid = {b.key: self._grid_of(b) for b in buffers}
-
-        def layer(carry, inputs):
-            shard, grid_l, replicated, index, x = inputs
-            flat = {b.key: self._gather_buffer(b, shard[b.key], grid_l[b.key], self._key(group, index, b))
-                    for b in buffers}
-            return body(carry, self._layout.unflatten_group(group, flat, replicated), x)
-
-        if remat:
-            layer = jax.checkpoint(layer, prevent_cse=False)
-        indices = jnp.arange(g.n_layers, dtype=jnp.int32)
-        return lax.scan(layer, init, (shards, grid, self._params["replicated"][group], indices, xs))
-
-
-# ----------------------------------------------------------------------------------------------
-# Helpers shared by init and step
-# ----------------------------------------------------------------------------------------------
-def _sharded_mask(params: dict) -> dict:
-    return {
-        "sharded": jax.tree.map(lambda _: True, params["sharded"]),
-        "replicated": jax.tree.map(lambda _: False, params["replicated"]),
-    }
-
-
-def _context(axis, n: int, params: dict, layout: FlatLayout, config: QSDPConfig):
-    """The optimizer's sharding context; with a bit policy, each leaf's weight bits too."""
-    bits = None
-    if config.bit_policy:
-        by_key = {b.key: b.resolved_bits(config)[0] for b in layout.buffers}
-        bits = tuple(
-            by_key[path[1].key] if path[0].key == "sharded" else None
-            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
-        )
-    return qoptim.sharding_context(axis, n, _sharded_mask(params), bits)
-
-
-def _grid_for_step(opt_state, config: QSDPConfig, layout: FlatLayout):
+def _grid_for_step(opt_state, config: QSDPConfig):
+    """``(scales, offsets)`` trees of the weight grid (``"qsdp"`` mode), else None."""
     if config.weight_mode != "qsdp":
         return None
     st = qoptim.find_qsdp_state(opt_state)
@@ -175,7 +90,7 @@ def _grid_for_step(opt_state, config: QSDPConfig, layout: FlatLayout):
             f"train step's config has weight_bits={config.weight_bits}, "
             f"bucket_size={config.bucket_size}: build both from the same QSDPConfig"
         )
-    return st.scales["sharded"], st.offsets["sharded"]
+    return st.scales, st.offsets
 
 
 def _check_config(config):
@@ -191,17 +106,29 @@ def init_train_state(
     *,
     stacked: Sequence[str] = (),
 ) -> TrainState:
-    """Shard ``params`` over the mesh, initialise the optimizer on each device's shards and, in
-    ``"qsdp"`` mode, project the weights onto their initial grid.
+    """Shard ``params`` over the mesh, initialise the optimizer on them (global view) and, in
+    ``"qsdp"`` mode, put the weights on their initial grid.
 
     Args:
       params: a dict of groups (see ``qsdp_jax.access``).
+      optimizer: any optax transformation (``qsdp_jax.optim.qsdp``-wrapped in ``"qsdp"`` mode).
+      mesh: the mesh (``qsdp_jax.make_mesh``).
+      config: the run's config.
       stacked: the groups whose leaves carry a leading layer axis (read with ``scan``).
+
+    Returns:
+      The sharded :class:`TrainState` at step 0.
     """
     check_params(params, stacked)
     layout = _layout(params, mesh, config, stacked)
-    flatten = jax.jit(layout.flatten, out_shardings=layout.shardings(mesh, config.shard_axes))
-    p, opt_state = _init_fn(layout, optimizer, mesh, config)(flatten(params))
+    shard = jax.jit(lambda p: jax.tree.map(jnp.asarray, p),
+                    out_shardings=layout.shardings(mesh, config.shard_axes))
+    p = shard(params)
+    init = _init_fn(layout, optimizer, mesh, config)
+    abstract = jax.eval_shape(init, p)
+    out = (layout.shardings(mesh, config.shard_axes),
+           opt_state_shardings(abstract[1], p, layout, mesh, config.shard_axes))
+    p, opt_state = jax.jit(init, out_shardings=out)(p)
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
     return TrainState(step=step, params=p, opt_state=opt_state, layout=layout)
 
@@ -221,46 +148,68 @@ def abstract_train_state(
     ``make_train_step(...).lower(abstract_state, abstract_batch).compile()``.
     """
     layout = _layout(params, mesh, config, stacked)
-    flat = jax.eval_shape(layout.flatten, params)
-    p, opt_state = jax.eval_shape(_init_fn(layout, optimizer, mesh, config), flat)
+    shardings = layout.shardings(mesh, config.shard_axes)
     with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-    p = jax.tree.map(with_sharding, p, layout.shardings(mesh, config.shard_axes))
-    stacked_sharding = NamedSharding(mesh, P(config.shard_axes))
-    opt_state = jax.tree.map(lambda x: with_sharding(x, stacked_sharding), opt_state)
+    p = jax.tree.map(with_sharding, jax.eval_shape(lambda x: x, params), shardings)
+    _, opt_state = jax.eval_shape(_init_fn(layout, optimizer, mesh, config), p)
+    opt_state = jax.tree.map(with_sharding, opt_state,
+                             opt_state_shardings(opt_state, p, layout, mesh, config.shard_axes))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     return TrainState(step=step, params=p, opt_state=opt_state, layout=layout)
 
 
-def _layout(params, mesh: Mesh, config: QSDPConfig, stacked: Sequence[str]) -> FlatLayout:
+def _layout(params, mesh: Mesh, config: QSDPConfig, stacked: Sequence[str]) -> ParamLayout:
     _check_config(config)
     if isinstance(stacked, str):
         check_params({}, stacked)
     n, _ = mesh_sizes(mesh, config)
-    layout = FlatLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked,
-                               config.bit_policy, (config.weight_bits, config.grad_bits))
+    layout = ParamLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked,
+                                config.bit_policy, (config.weight_bits, config.grad_bits))
     warn_padding(layout, config)
     return layout
 
 
-def _init_fn(layout: FlatLayout, optimizer, mesh: Mesh, config: QSDPConfig):
-    """Jitted ``flat params -> (params, device-stacked opt_state)``: optimizer init on each
-    device's shards and, in ``"qsdp"`` mode, the projection onto the initial grid."""
-    axis, n = config.shard_axes, mesh_sizes(mesh, config)[0]
-    specs = layout.specs(axis)
+def _init_fn(layout: ParamLayout, optimizer, mesh: Mesh, config: QSDPConfig):
+    """``params -> (params, opt_state)``: optimizer init in the global view and, in ``"qsdp"``
+    mode, the weights snapped onto the initial grid."""
 
-    def local_init(p):
-        with _context(axis, n, p, layout, config):
+    def init(p):
+        with layout_context(layout, mesh, config.shard_axes):
             opt_state = optimizer.init(p)
             qoptim.check_same_config(opt_state, config)  # also refuses two QSDPStates
             if config.weight_mode == "qsdp":
-                _grid_for_step(opt_state, config, layout)  # clear error if not wrapped
+                _grid_for_step(opt_state, config)  # clear error if not wrapped
                 p = qoptim.snap_to_grid(p, opt_state, config)
-        return p, jax.tree.map(lambda x: jnp.asarray(x)[None], opt_state)
+        return p, opt_state
 
-    # P(axis) is a prefix for the whole opt_state: every leaf gets a leading device axis.
-    return jax.jit(
-        jax.shard_map(local_init, mesh=mesh, in_specs=(specs,), out_specs=(specs, P(axis)), check_vma=False)
-    )
+    return init
+
+
+def _local_grads(loss_fn, layout: ParamLayout, config: QSDPConfig, has_aux: bool, n_dev: int):
+    """The per-device body of the step: loss and gradients of this device's blocks."""
+
+    def local(step, params, grid, batch):
+        def objective(p):
+            out = loss_fn(ShardedParams(layout, p, grid or None, step, config), batch)
+            return out if has_aux else (out, None)
+
+        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        leaves, treedef = jax.tree_util.tree_flatten(grads)
+        # a sharded leaf's gradient is the sum over devices (the reduce-scatter): to the mean
+        leaves = [g / n_dev if x.sharded else device_mean(g, config)
+                  for g, (_, x) in zip(leaves, layout.leaves())]
+        return jax.tree_util.tree_unflatten(treedef, leaves), lax.pmean(loss, config.batch_axes), aux
+
+    return local
+
+
+def _grid_specs(layout: ParamLayout, config: QSDPConfig, grid):
+    if grid is None:
+        return ()
+    bits = layout.weight_bits(config)
+    axes = config.shard_axes
+    specs = layout.unflatten([P(None, axes) if w is not None else P() for w in bits])
+    return (specs, specs)
 
 
 def make_train_step(
@@ -280,102 +229,102 @@ def make_train_step(
         local batch (or ``(loss, aux)`` with ``has_aux``).
       optimizer: the optimizer the state was initialised with (``qsdp(...)``-wrapped in
         ``"qsdp"`` mode).
+      mesh: the state's mesh.
+      config: the run's config.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
       aux_out_spec: out_specs for ``aux`` (default ``P(axis)``: per-device values concatenated
         on their leading axis; give ``jax.P()`` for values that are the same everywhere).
       donate: donate the input state's buffers to the output.
 
-    Metrics: ``loss`` (global mean), ``grad_norm`` (global, of the averaged gradient),
-    ``nonfinite`` (1 when the update was skipped), ``step`` (the step that was taken).
+    Returns:
+      The step. Metrics: ``loss`` (global mean), ``grad_norm`` (global, of the averaged
+      gradient), ``nonfinite`` (1 when the update was skipped), ``step`` (the step taken).
     """
     _check_config(config)
-    n, n_dev = mesh_sizes(mesh, config)
-    axis, batch_axes = config.shard_axes, config.batch_axes
-
-    def local_step(step, params, opt_state, batch, layout):
-        opt_state = jax.tree.map(lambda x: x[0], opt_state)
-        qoptim.check_same_config(opt_state, config)
-        grid = _grid_for_step(opt_state, config, layout)
-
-        def objective(p):
-            out = loss_fn(ShardedParams(layout, p, grid, step, config), batch)
-            return out if has_aux else (out, None)
-
-        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        grads = {
-            "sharded": jax.tree.map(lambda g: g / n_dev, grads["sharded"]),
-            "replicated": jax.tree.map(lambda g: device_mean(g, config), grads["replicated"]),
-        }
-        with _context(axis, n, params, layout, config):
-            finite = qoptim.all_finite(grads)
-            updates, new_opt = optimizer.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            if config.weight_mode == "qsdp":
-                new_params = qoptim.snap_to_grid(new_params, new_opt, config)
-            # the new weights too: an update can overflow (e.g. float16 leaves) on finite grads
-            finite = finite & qoptim.all_finite(new_params)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        new_params = jax.tree.map(keep, new_params, params)
-        new_opt = jax.tree.map(keep, new_opt, opt_state)
-        sq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads["sharded"]))
-        sq = lax.psum(jnp.asarray(sq, jnp.float32), axis)
-        sq = sq + sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads["replicated"]))
-        metrics = {
-            "loss": lax.pmean(loss, batch_axes),
-            "grad_norm": jnp.sqrt(sq),
-            "nonfinite": (~finite).astype(jnp.int32),
-            "step": step,
-        }
-        new_opt = jax.tree.map(lambda x: x[None], new_opt)
-        return step + 1, new_params, new_opt, metrics, aux
+    _, n_dev = mesh_sizes(mesh, config)
+    axes, batch_axes = config.shard_axes, config.batch_axes
 
     def step_fn(state: TrainState, batch):
         _check_batch(batch, n_dev)
         layout = state.layout
-        specs = layout.specs(axis)
-        opt_specs = P(axis)  # a prefix: every opt_state leaf has a leading device axis
-        batch_specs = jax.tree.map(lambda _: P(batch_axes), batch)
+        pspecs = layout.specs(axes)
+        qoptim.check_same_config(state.opt_state, config)
+        grid = _grid_for_step(state.opt_state, config)
+        grid_arg = () if grid is None else grid
         aux_spec = P(batch_axes) if aux_out_spec is None else aux_out_spec
         body = jax.shard_map(
-            lambda s, p, o, b: local_step(s, p, o, b, layout),
-            mesh=mesh,
-            in_specs=(P(), specs, opt_specs, batch_specs),
-            out_specs=(P(), specs, opt_specs, P(), aux_spec if has_aux else P()),
+            _local_grads(loss_fn, layout, config, has_aux, n_dev), mesh=mesh,
+            in_specs=(P(), pspecs, _grid_specs(layout, config, grid), jax.tree.map(lambda _: P(batch_axes), batch)),
+            out_specs=(pspecs, P(), aux_spec if has_aux else P()),
             check_vma=False,
         )
-        step, params, opt_state, metrics, aux = body(state.step, state.params, state.opt_state, batch)
-        new_state = TrainState(step=step, params=params, opt_state=opt_state, layout=layout)
+        grads, loss, aux = body(state.step, state.params, grid_arg, batch)
+        params, opt_state, finite = _update(optimizer, config, mesh, layout, state, grads)
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.tree.norm(grads),
+            "nonfinite": (~finite).astype(jnp.int32),
+            "step": state.step,
+        }
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, layout=layout)
         return (new_state, metrics, aux) if has_aux else (new_state, metrics)
 
     return CheckedStep(jax.jit(step_fn, donate_argnums=(0,) if donate else ()))
+
+
+def _update(optimizer, config: QSDPConfig, mesh: Mesh, layout: ParamLayout, state: TrainState, grads):
+    """The optimizer step in the global view; the old state where anything is non-finite."""
+    axes = config.shard_axes
+    with layout_context(layout, mesh, axes):
+        finite = qoptim.all_finite(grads)
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        if config.weight_mode == "qsdp":
+            new_params = qoptim.snap_to_grid(new_params, new_opt, config)
+    # the new weights too: an update can overflow (e.g. float16 leaves) on finite grads
+    finite = finite & qoptim.all_finite(new_params)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    new_params = jax.tree.map(keep, new_params, state.params)
+    new_opt = jax.tree.map(keep, new_opt, state.opt_state)
+    constrain = lambda tree, specs: jax.tree.map(  # noqa: E731  (the state keeps its placement)
+        lambda s, x: lax.with_sharding_constraint(x, NamedSharding(mesh, s)), specs, tree,
+        is_leaf=lambda x: isinstance(x, P))
+    new_params = constrain(new_params, layout.specs(axes))
+    new_opt = constrain(new_opt, opt_state_specs(new_opt, state.params, layout, axes))
+    return new_params, new_opt, finite
 
 
 def make_eval_step(
     loss_fn: Callable[..., Any], mesh: Mesh, config: QSDPConfig
 ) -> Callable[[TrainState, PyTree], jax.Array]:
     """A jitted ``eval(state, batch) -> mean loss`` with the same gathers as training (lossless
-    in ``"qsdp"`` mode: evaluation sees exactly the weights training uses)."""
-    _check_config(config)
-    n, n_dev = mesh_sizes(mesh, config)
-    axis, batch_axes = config.shard_axes, config.batch_axes
+    in ``"qsdp"`` mode: evaluation sees exactly the weights training uses).
 
-    def local_eval(step, params, opt_state, batch, layout):
-        opt_state = jax.tree.map(lambda x: x[0], opt_state)
-        grid = _grid_for_step(opt_state, config, layout)
-        loss = loss_fn(ShardedParams(layout, params, grid, step, config), batch)
-        return lax.pmean(loss, batch_axes)
+    Args:
+      loss_fn: as for :func:`make_train_step` (no aux).
+      mesh: the state's mesh.
+      config: the run's config.
+    """
+    _check_config(config)
+    _, n_dev = mesh_sizes(mesh, config)
+    axes, batch_axes = config.shard_axes, config.batch_axes
 
     def eval_fn(state: TrainState, batch):
         _check_batch(batch, n_dev)
         layout = state.layout
+        grid = _grid_for_step(state.opt_state, config)
+
+        def local(step, params, grid, batch):
+            loss = loss_fn(ShardedParams(layout, params, grid or None, step, config), batch)
+            return lax.pmean(loss, batch_axes)
+
         body = jax.shard_map(
-            lambda s, p, o, b: local_eval(s, p, o, b, layout),
-            mesh=mesh,
-            in_specs=(P(), layout.specs(axis), P(axis),
+            local, mesh=mesh,
+            in_specs=(P(), layout.specs(axes), _grid_specs(layout, config, grid),
                       jax.tree.map(lambda _: P(batch_axes), batch)),
-            out_specs=P(),
-            check_vma=False,
+            out_specs=P(), check_vma=False,
         )
-        return body(state.step, state.params, state.opt_state, batch)
+        return body(state.step, state.params, () if grid is None else grid, batch)
 
     return CheckedStep(jax.jit(eval_fn))
 
@@ -401,5 +350,13 @@ def _check_batch(batch, n: int):
 
 
 def gather_params(state: TrainState) -> dict[str, PyTree]:
-    """The full parameter pytree (the optimizer's values) from a TrainState, as global arrays."""
-    return state.layout.unflatten(state.params)
+    """The parameter pytree (the optimizer's values) of a TrainState: ``state.params``, global
+    arrays as they are sharded, copied so that a later donating step does not delete them.
+
+    Args:
+      state: a train state.
+
+    Returns:
+      The params dict; ``jax.device_get`` it for host numpy arrays.
+    """
+    return jax.tree.map(jnp.copy, state.params)

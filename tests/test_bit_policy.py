@@ -16,7 +16,7 @@ from qsdp_jax import comm, optim
 from qsdp_jax import nnx as qnnx
 from qsdp_jax.checkpoint import CheckpointMismatch, Checkpointer
 from qsdp_jax.collectives import payload_size
-from qsdp_jax.sharding import FlatLayout
+from qsdp_jax.sharding import ParamLayout
 
 N = 8
 BUCKET = 64
@@ -67,12 +67,11 @@ def test_config_policy_is_hashable_and_named():
 # --- layout --------------------------------------------------------------------------------------
 def test_no_policy_layout_is_unchanged_and_restating_rules_change_nothing():
     params = toymodel.init(0)
-    plain = FlatLayout.create(params, N, BUCKET, 128, toymodel.STACKED)
-    restated = FlatLayout.create(params, N, BUCKET, 128, toymodel.STACKED, (("*", 4, 4),), (4, 4))
+    plain = ParamLayout.create(params, N, BUCKET, 128, toymodel.STACKED)
+    restated = ParamLayout.create(params, N, BUCKET, 128, toymodel.STACKED, (("*", 4, 4),), (4, 4))
     assert restated == plain
     assert [b.key for b in plain.buffers] == ["blocks", "embed", "head"]
-    assert all(not g.policy_buffers for g in plain.groups)
-    assert set(plain.flatten(params)["sharded"]) == {"blocks", "embed", "head"}
+    assert all(b.bits is None and b.index == 0 for b in plain.buffers)
 
 
 def test_restating_rules_train_bit_identically_to_no_policy(mesh):
@@ -95,21 +94,18 @@ def test_restating_rules_train_bit_identically_to_no_policy(mesh):
 
 def test_policy_splits_groups_into_buffers_and_round_trips():
     params = toymodel.init(0)
-    lay = FlatLayout.create(params, N, BUCKET, 128, toymodel.STACKED, POLICY, (4, 4))
-    assert [(b.key, b.bits) for b in lay.buffers] == [
-        ("blocks", None), ("embed@W8G8", (8, 8)), ("head@WFGF", (None, None))]
-    assert lay.group("embed").flat_size == 0 and lay.group("embed").is_sharded
-    flat = lay.flatten(params)
-    back = lay.unflatten(flat)
-    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    lay = ParamLayout.create(params, N, BUCKET, 128, toymodel.STACKED, POLICY, (4, 4))
+    assert [(b.key, b.bits, b.index) for b in lay.buffers] == [
+        ("blocks", None, 0), ("embed@W8G8", (8, 8), 1), ("head@WFGF", (None, None), 1)]
+    assert [b.key for b in lay.group("embed").buffers] == ["embed@W8G8"] and lay.group("embed").is_sharded
+    assert lay.weight_bits(q.QSDPConfig.qsdp(4, 4, bit_policy=POLICY, **SMALL)) == [None, 4, None, 8, None]
 
 
 def test_a_rule_that_matches_no_sharded_leaf_is_an_error(mesh):
     params = toymodel.init(0)
     with pytest.raises(ValueError, match=r"bit_policy\[1\]=\('emb\*/kernel', 8, 8\) matches no sharded "
                        r"leaf: it matches no leaf.*sharded leaves are: blocks/w, embed/w, head/w"):
-        FlatLayout.create(params, N, BUCKET, 128, toymodel.STACKED, (("head*", 8, 8), ("emb*/kernel", 8, 8)), (4, 4))
+        ParamLayout.create(params, N, BUCKET, 128, toymodel.STACKED, (("head*", 8, 8), ("emb*/kernel", 8, 8)), (4, 4))
     cfg = q.QSDPConfig(**SMALL, bit_policy=(("embed/b", 4, 4),))  # the bias is replicated
     with pytest.raises(ValueError, match=r"matches only replicated leaves \['embed/b'\].*counts as matching nothing"):
         q.init_train_state(params, optim.qsdp(optax.adam(1e-2), cfg), mesh, cfg, stacked=toymodel.STACKED)
@@ -135,12 +131,12 @@ def test_gather_is_lossless_per_buffer(mesh, rounding):
             for name in ("embed", "head", "blocks"):
                 np.testing.assert_array_equal(np.asarray(aux[name][dev]).view(np.uint32),
                                               np.asarray(held[name]["w"]).view(np.uint32))
-    sharded = state.params["sharded"]
-    assert _unique_per_bucket(sharded["blocks"]) <= 16
-    assert 16 < _unique_per_bucket(sharded["embed@W8G8"]) <= 256
-    assert _unique_per_bucket(sharded["head@WFGF"][:192]) > 16  # fp32: no grid
+    p = state.params  # each device's block of these leaves is whole rows of buckets
+    assert _unique_per_bucket(p["blocks"]["w"]) <= 16
+    assert 16 < _unique_per_bucket(p["embed"]["w"]) <= 256
+    assert _unique_per_bucket(p["head"]["w"]) > 16  # fp32: no grid
     st = optim.find_qsdp_state(state.opt_state)
-    assert st.scales["sharded"]["head@WFGF"].size == 0  # no grid kept for full precision
+    assert st.scales["head"]["w"].size == 0  # no grid kept for full precision
 
 
 def _wire(report, kind, dtype):
@@ -171,11 +167,12 @@ def _sgd_grads(mesh, cfg, state, steps):
     """Per step key, the sharded gradient of every buffer (SGD with lr 1: old - new weights)."""
     opt = optim.qsdp(optax.sgd(1.0), cfg)
     step = q.make_train_step(toymodel.loss, opt, mesh, cfg, donate=False)
-    old = {k: np.asarray(v) for k, v in state.params["sharded"].items()}
+    by_name = lambda p: {k: np.asarray(p[k]["w"]) for k in ("blocks", "embed")}  # noqa: E731
+    old = by_name(state.params)
     out = []
     for s in steps:
         new, _ = step(dataclasses.replace(state, step=jnp.int32(s)), toymodel.batch(0))
-        out.append({k: old[k] - np.asarray(v) for k, v in new.params["sharded"].items()})
+        out.append({k: old[k] - v for k, v in by_name(new.params).items()})
     return out
 
 
@@ -191,13 +188,13 @@ def test_gradient_reduce_scatter_is_unbiased_per_buffer(mesh):
     (exact,) = _sgd_grads(mesh, exact_cfg, exact_state, [0])
     draws = _sgd_grads(mesh, cfg, state, range(64))
     rel = {}
-    for key, ref in (("blocks", exact["blocks"]), ("embed@WFG8", exact["embed"])):
+    for key, ref in (("blocks", exact["blocks"]), ("embed", exact["embed"])):
         d = np.stack([x[key] for x in draws])
         rms = lambda e: np.sqrt(np.mean(e ** 2))  # noqa: E731
         ratio = rms(d[:4].mean(0) - ref) / rms(d.mean(0) - ref)  # 4 for an unbiased estimator
         assert 2.0 < ratio < 8.0, (key, ratio)
         rel[key] = rms(d[0] - ref) / rms(ref)
-    assert rel["embed@WFG8"] < 0.05 * rel["blocks"], rel
+    assert rel["embed"] < 0.05 * rel["blocks"], rel  # the embedding's buffer is embed@WFG8
 
 
 def test_resume_is_bit_exact_with_a_policy(mesh, tmp_path):
@@ -245,14 +242,14 @@ def test_single_device_optimizer_follows_the_policy():
 
 # --- summaries, the trainer flag, NNX ------------------------------------------------------------
 def test_summaries_show_the_bits():
-    lay = FlatLayout.create(toymodel.init(0), N, BUCKET, 128, toymodel.STACKED, POLICY, (4, 4))
+    lay = ParamLayout.create(toymodel.init(0), N, BUCKET, 128, toymodel.STACKED, POLICY, (4, 4))
     table = lay.table()
     assert "embed/w" in table and "embed@W8G8" in table and "head@WFGF" in table
     cfg = q.QSDPConfig.qsdp(4, 4, bit_policy=POLICY, **SMALL)
     line = [r for r in lay.bits_table(cfg).splitlines() if r.startswith("blocks/w")][0]
     assert line.split()[2:4] == ["4", "4"]
     assert [r for r in lay.bits_table(cfg).splitlines() if r.startswith("head/w")][0].split()[2:4] == ["fp", "fp"]
-    assert "embed@" not in FlatLayout.create(toymodel.init(0), N, BUCKET, 128, toymodel.STACKED).table()
+    assert "embed@" not in ParamLayout.create(toymodel.init(0), N, BUCKET, 128, toymodel.STACKED).table()
     from experiments.train_report import summary_text
 
     summary = dict(name="x", n_params=1, n_devices=8, steps=1, train_loss=1.0, val_loss=1.0, tokens_per_s=1.0,
@@ -310,12 +307,12 @@ def test_nnx_front_door_trains_with_a_policy(mesh):
         state, m = step(state, batch)
         losses.append(float(m["loss"]))
     assert losses[-1] < 0.7 * losses[0], losses
-    sharded = state.params["sharded"]
-    assert set(sharded) == {"body", "embed@W8G8", "out"}
-    assert 8 < _unique_per_bucket(sharded["embed@W8G8"]) <= 256 and _unique_per_bucket(sharded["body"]) <= 8
+    assert {b.key for b in state.layout.buffers} == {"body", "embed@W8G8", "out"}
+    p = state.params
+    assert 8 < _unique_per_bucket(p["embed"]["embedding"]) <= 256
+    assert _unique_per_bucket(p["body"]["kernel"]) <= 8
     qnnx.update(model, state)
-    np.testing.assert_array_equal(np.asarray(model.embed.embedding[...]).ravel(),
-                                  np.asarray(sharded["embed@W8G8"])[:1024])
+    np.testing.assert_array_equal(np.asarray(model.embed.embedding[...]), np.asarray(p["embed"]["embedding"]))
 
 
 def test_two_level_mesh_with_a_policy():

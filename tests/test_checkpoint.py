@@ -10,7 +10,8 @@ import toymodel
 from qsdp_jax import optim
 from qsdp_jax.checkpoint import CheckpointMismatch, Checkpointer
 
-SMALL = dict(bucket_size=64, min_shard_size=128)
+SMALL = dict(bucket_size=64, min_shard_size=256)  # the 64x3 head stays replicated: every grid
+# is whole buckets of its leaf's row-major order on 8, 4 and 2x4 devices (exact resharding)
 K = 3
 CONFIGS = {
     "fp32": q.QSDPConfig.fp32(**SMALL),
@@ -148,7 +149,7 @@ def test_restore_refuses_another_model_or_run(tmp_path):
         params = toymodel.init(0)
         params["head"]["w"] = np.zeros((64, 5), np.float32)  # another output width
         wider = q.init_train_state(params, _opt(config), mesh, config, stacked=toymodel.STACKED)
-        with pytest.raises(CheckpointMismatch, match="layout.groups.head.slots"):
+        with pytest.raises(CheckpointMismatch, match="layout.groups.head.leaves"):
             ckpt.restore(wider, config, mesh, identity={"lr": 0.01})
         with pytest.raises(CheckpointMismatch, match=r"identity\.lr is 0\.01 in the checkpoint but 0\.02"):
             ckpt.restore(state, config, mesh, identity={"lr": 0.02})
@@ -220,3 +221,30 @@ def test_reshard_onto_2d_meshes_and_back(tmp_path):
         back, _ = ckpt.restore(state0, config, mesh8)
     _assert_bitwise(back.params, half.params)
     _assert_bitwise(back.opt_state, half.opt_state)
+
+
+def test_a_grid_of_other_buckets_is_refused_or_regridded(tmp_path):
+    """The 64x3 head sharded (min_shard_size=128): its blocks are 24 elements on 8 devices and
+    48 on 4, one padded bucket each, so its grid depends on the device count. Restoring on 4
+    refuses, naming the leaf; regrid=True re-projects it (round to nearest, at most half a
+    step) and the gather is lossless again; every other leaf restores bit for bit."""
+    config = q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", bucket_size=64, min_shard_size=128)
+    mesh8, state8, step8 = _setup(config, 8)
+    state8, _ = _run(step8, state8, 0, 2)
+    mesh4, fresh, step4 = _setup(config, 4)
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(state8, config, mesh8)
+        with pytest.raises(CheckpointMismatch, match=r"head/w.*regrid=True"):
+            ckpt.restore(fresh, config, mesh4)
+        with pytest.warns(UserWarning, match=r"\['head/w'\].*re-projected"):
+            on4, _ = ckpt.restore(fresh, config, mesh4, regrid=True)
+    old, new = np.asarray(state8.params["head"]["w"]), np.asarray(on4.params["head"]["w"])
+    step_size = float(np.max(np.asarray(optim.find_qsdp_state(on4.opt_state).scales["head"]["w"])))
+    assert 0 < np.abs(new - old).max() <= 0.5 * step_size + 1e-7
+    _assert_bitwise(on4.params["blocks"], state8.params["blocks"])
+    _assert_bitwise(on4.params["embed"], state8.params["embed"])
+    with optim.layout_context(on4.layout, mesh4, config.shard_axes):  # on the new grid exactly
+        snapped = jax.jit(lambda p, o: optim.snap_to_grid(p, o, config))(on4.params, on4.opt_state)
+    _assert_bitwise(snapped, on4.params)
+    cont, losses = _run(step4, on4, 2, 4)
+    assert np.isfinite(losses).all()

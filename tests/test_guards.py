@@ -153,11 +153,13 @@ def test_bucket_far_larger_than_the_leaves_warns(mesh):
 
 
 def test_clip_by_global_norm_is_global(mesh):
-    """optax.clip_by_global_norm inside the sharded step saw one device's shards (each device
-    clipped differently, replicated leaves drifted apart); optim.clip_by_global_norm matches
-    one device on the global batch, and replicated leaves stay identical on every device."""
+    """optax.clip_by_global_norm used to see one device's shards in the sharded step; the
+    optimizer now sees global arrays, so optax's own clip (and optim.clip_by_global_norm, its
+    alias) matches one device on the global batch, and replicated leaves stay identical on
+    every device."""
+    assert optim.clip_by_global_norm is optax.clip_by_global_norm
     cfg = q.QSDPConfig.fp32(**SMALL)
-    opt = optim.qsdp(optax.chain(optim.clip_by_global_norm(0.05), optax.adam(1e-2)), cfg)
+    opt = optim.qsdp(optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)), cfg)
     state, _ = _init(mesh, cfg, opt=opt)
     step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
     ref_opt = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
@@ -171,6 +173,7 @@ def test_clip_by_global_norm_is_global(mesh):
         params = optax.apply_updates(params, u)
     for a, b in zip(jax.tree.leaves(q.gather_params(state)), jax.tree.leaves(params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    x = state.params["replicated"]["blocks"][0]
+    x = state.params["blocks"]["s"]
+    assert x.sharding.is_fully_replicated
     shards = [np.asarray(s.data) for s in x.addressable_shards]
     assert all(np.array_equal(shards[0], s) for s in shards)

@@ -140,12 +140,14 @@ def _digest(tree):
     return h.hexdigest()[:16]
 
 
-# Losses and a digest of (params, opt_state) after 3 toy steps, recorded on main at fee6d70
-# (before these switches existed) with the same _train and _digest.
+# Losses and a digest of (params, opt_state) after 3 toy steps with the same _train and _digest,
+# recorded when the per-parameter layout landed (the buckets of each device's shard of each leaf;
+# the flat per-layer buffers before it gave other buckets, so other values: first recorded at
+# fee6d70, before these switches existed).
 MAIN = {
-    "W4G4sr": ([4.072676181793213, 2.7709169387817383, 2.5397427082061768], "3eaa9faaf1a08c06"),
-    "W8G8": ([3.9474239349365234, 2.7682549953460693, 3.1745941638946533], "2f6e9535cdbb6789"),
-    "comm-W4G3": ([4.072676181793213, 2.735940933227539, 2.863848924636841], "70cf606bf1fd83cd"),
+    "W4G4sr": ([3.8809120655059814, 3.1869747638702393, 3.026766300201416], "451c1b4b00db2b0c"),
+    "W8G8": ([3.9363293647766113, 2.7535712718963623, 3.159806966781616], "2e98a99a1db2d0fd"),
+    "comm-W4G3": ([3.8809120655059814, 2.8069610595703125, 3.1208009719848633], "18118ed19b187341"),
 }
 OFF = {
     "W4G4sr": q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", **SMALL),

@@ -1,4 +1,4 @@
-"""Meshes and the flat sharded layout."""
+"""Meshes, the per-leaf sharding rule, and the copy-in/copy-out of the gather buffers."""
 
 import chex
 import jax
@@ -8,7 +8,9 @@ import pytest
 from jax.sharding import Mesh
 
 import qsdp_jax as q
-from qsdp_jax.sharding import FlatLayout, check_mesh
+from jax.sharding import PartitionSpec as P
+
+from qsdp_jax.sharding import ParamLayout, check_mesh, shard_dim
 
 
 def _params():
@@ -44,42 +46,69 @@ def test_mesh_errors():
         q.make_mesh(devices=[])
 
 
-def test_layout_places_leaves_and_pads():
-    lay = FlatLayout.create(_params(), num_shards=8, bucket=16, min_shard_size=64, stacked=("blocks",))
+def test_layout_shards_each_leaf_on_its_first_dividing_dimension():
+    with pytest.warns(UserWarning, match=r"blocks/w \(20, 20\).*odd/m \(7, 13\).*divide over 8 devices on no dimension"):
+        lay = ParamLayout.create(_params(), num_shards=8, bucket=16, min_shard_size=64, stacked=("blocks",))
     odd = lay.group("odd")
-    assert odd.slots[0].size == 91 and odd.flat_size == 128 and odd.chunk == 16  # 7x13 on 8 devices
+    assert not odd.leaves[0].sharded and not odd.buffers  # 7x13 divides nowhere: replicated
     mixed = lay.group("mixed")
-    assert [s.size for s in mixed.slots] == [1200]
+    w = mixed.leaves[mixed.leaf_paths().index("mixed/w")]
+    assert w.dim == 0 and w.local_size == 150 and w.buckets == 10  # (40, 30): 5 rows of 30 per device
     assert len(mixed.replicated) == 2  # the bias (30 < 64) and the integer leaf
     blocks = lay.group("blocks")
     assert blocks.stacked and blocks.n_layers == 3
-    assert [s.size for s in blocks.slots] == [400] and blocks.flat_size == 512
-    # every leaf starts on a bucket boundary, every device holds whole buckets
-    for g in lay.groups:
-        assert all(s.offset % 16 == 0 for s in g.slots)
-        assert g.flat_size % (8 * 16) == 0
+    assert not blocks.leaves[blocks.leaf_paths().index("blocks/w")].sharded  # 20 x 20 over 8: no
+    # (3, 20, 20) on 4 devices: the per-layer first dim 20 divides (the layer axis never is split)
+    lay4 = ParamLayout.create({"blocks": _params()["blocks"]}, 4, 16, 64, stacked=("blocks",))
+    bw = lay4.group("blocks").leaves[1]
+    assert bw.dim == 0 and bw.local_size == 100 and bw.buckets == 7
+    assert lay4.specs("fsdp")["blocks"]["w"] == P(None, "fsdp", None)
+    specs = lay.specs("fsdp")
+    assert specs["mixed"]["w"] == P("fsdp", None) and specs["mixed"]["b"] == P()
+    assert specs["blocks"]["w"] == P() and specs["odd"]["m"] == P()
+    # one buffer per group: every device packs its blocks, each padded to whole buckets
+    (buf,) = mixed.buffers
+    assert buf.chunk == 160 and buf.flat_size == 8 * 160
+    assert all(s.offset % 16 == 0 for g in lay.groups for b in g.buffers for s in b.slots)
 
 
-def test_flatten_unflatten_roundtrip_and_sharding():
-    params = _params()
+def test_shard_dim_rule():
+    assert shard_dim((768, 3072), 8) == 0
+    assert shard_dim((50257, 768), 8) == 1
+    assert shard_dim((7, 13), 8) is None
+    assert shard_dim((0, 8), 8) == 1
+
+
+def test_pack_unpack_roundtrip_inside_shard_map():
+    """Copy-in of every device's blocks, an all-gather, copy-out: the full leaves, exactly."""
+    from qsdp_jax import packing
+
+    r = np.random.default_rng(3)
+    params = {"g": {"a": jnp.asarray(r.normal(size=(16, 6)), jnp.float32),
+                    "b": jnp.asarray(r.normal(size=(5, 24)), jnp.float32),
+                    "c": jnp.asarray(r.normal(size=(2, 3, 8)), jnp.float32)}}
+    lay = ParamLayout.create(params, 8, 16, 8)
+    g = lay.group("g")
+    assert [x.dim for x in g.leaves] == [0, 1, 2]
     mesh = q.make_mesh()
-    lay = FlatLayout.create(params, 8, 16, 64, stacked=("blocks",))
-    flat = jax.jit(lay.flatten, out_shardings=lay.shardings(mesh, "fsdp"))(params)
-    assert flat["sharded"]["odd"].shape == (128,)
-    assert flat["sharded"]["blocks"].shape == (3, 512)
-    shard_shapes = {s.data.shape for s in flat["sharded"]["blocks"].addressable_shards}
-    assert shard_shapes == {(3, 64)}
-    assert flat["replicated"]["mixed"][0].sharding.is_fully_replicated
-    chex.assert_trees_all_equal(lay.unflatten(flat), params)
-    # one layer of a stacked group
-    layer = lay.unflatten_group("blocks", flat["sharded"]["blocks"][1],
-                                tuple(x[1] for x in flat["replicated"]["blocks"]))
-    chex.assert_trees_all_equal(layer, jax.tree.map(lambda x: x[1], params["blocks"]))
+    placed = jax.device_put(params, lay.shardings(mesh, "fsdp"))
+
+    def local(p):
+        blocks = jax.tree.leaves(p["g"])
+        (buf,) = g.buffers
+        full = jax.lax.all_gather(packing.pack(buf, blocks, 16), "fsdp", tiled=True)
+        leaves = [g.leaves[s.index] for s in buf.slots]
+        got = packing.unpack(buf, full, 8, [x.dim for x in leaves], [x.shape for x in leaves])
+        return jax.tree.unflatten(g.treedef, [got[i] for i in range(3)])
+
+    out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(lay.specs("fsdp"),), out_specs=P(),
+                                check_vma=False))(placed)
+    chex.assert_trees_all_equal(out, params["g"])
 
 
 @pytest.mark.parametrize("lead", [(), (3,)])
 def test_split_flat_gradient_matches_slicing_and_is_one_concatenation(lead):
-    from qsdp_jax.sharding import split_flat
+    from qsdp_jax.packing import split_flat
 
     spans = ((0, 5), (8, 3), (16, 10))  # gaps between pieces and after the last
     flat = jnp.asarray(np.random.default_rng(1).normal(size=(*lead, 32)), jnp.float32)
@@ -103,21 +132,19 @@ def test_split_flat_gradient_matches_slicing_and_is_one_concatenation(lead):
 
 def test_layout_errors():
     with pytest.raises(ValueError, match="non-empty dict"):
-        FlatLayout.create([1, 2], 8, 16, 0)
+        ParamLayout.create([1, 2], 8, 16, 0)
     with pytest.raises(ValueError, match=r"stacked groups \['nope'\]"):
-        FlatLayout.create(_params(), 8, 16, 0, stacked=("nope",))
+        ParamLayout.create(_params(), 8, 16, 0, stacked=("nope",))
     bad = {"blocks": {"a": jnp.ones((3, 4)), "b": jnp.ones((2, 4))}}
     with pytest.raises(ValueError, match="same leading layer axis"):
-        FlatLayout.create(bad, 8, 16, 0, stacked=("blocks",))
-    lay = FlatLayout.create(_params(), 8, 16, 64)
+        ParamLayout.create(bad, 8, 16, 0, stacked=("blocks",))
+    lay = ParamLayout.create({"g": {"w": jnp.ones((8, 8))}}, 8, 16, 64)
     with pytest.raises(KeyError, match="unknown parameter group"):
         lay.group("nope")
-    wrong = dict(_params(), odd={"m": jnp.ones((7, 13)), "extra": jnp.ones(3)})
-    with pytest.raises(ValueError, match="leaves"):
-        lay.flatten(wrong)
 
 
-def test_layout_table_mentions_groups():
-    lay = FlatLayout.create(_params(), 8, 16, 64, stacked=("blocks",))
+def test_layout_table_names_each_leaf_and_its_split():
+    with pytest.warns(UserWarning):
+        lay = ParamLayout.create(_params(), 8, 16, 64, stacked=("blocks",))
     t = lay.table()
-    assert "blocks" in t and "odd" in t and "128" in t
+    assert "mixed/w" in t and "dim 0" in t and "replicated" in t

@@ -1,0 +1,114 @@
+"""Copy-in / copy-out around one flat collective buffer per group (PyTorch FSDP2's idea).
+
+The parameters are stored leaf by leaf (:mod:`qsdp_jax.sharding`); the collectives move one flat
+buffer per group (per layer), so that a layer costs one all-gather and one reduce-scatter
+whatever its number of leaves, and quantization is batched. Inside ``shard_map``:
+
+* :func:`pack` (copy-in): each leaf's local block, flattened row-major and zero-padded to
+  whole buckets, concatenated in slot order: one device's ``(chunk,)`` buffer. Its buckets are
+  exactly the leaves' own buckets (``ParamLayout``), so a leaf's grid is the buffer's grid.
+* :func:`unpack` (copy-out): the gathered ``(num_shards * chunk,)`` buffer cut back into every
+  device's blocks and joined on each leaf's split dimension: the full leaves.
+
+Both are plain array ops, so autodiff transposes them: the gradient of the full leaves is packed
+into one buffer for the reduce-scatter, and the reduce-scattered chunk is cut into the local
+blocks' gradients (the padding's share is dropped). :func:`split_flat` gives the cut a cheap
+transpose.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from qsdp_jax.policy import Buffer
+
+
+def pack(buffer: Buffer, blocks: Sequence[jax.Array], bucket: int, lead: int = 0) -> jax.Array:
+    """One device's flat float32 buffer of ``buffer``'s leaves.
+
+    Args:
+      buffer: the gather buffer (its slots name the leaves and their offsets).
+      blocks: the group's local leaf blocks, indexed by leaf position (others may be anything).
+      bucket: the bucket size: each block is padded to whole buckets.
+      lead: leading axes (e.g. layers) every block carries before its own shape.
+
+    Returns:
+      ``(*lead_shape, buffer.chunk)`` float32.
+    """
+    parts = []
+    for s in buffer.slots:
+        x = jnp.asarray(blocks[s.index], jnp.float32)
+        lead_shape = x.shape[:lead]
+        parts.append(_pad_to(x.reshape(*lead_shape, s.size), -(-s.size // bucket) * bucket))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def unpack(buffer: Buffer, full: jax.Array, num_shards: int, dims: Sequence[int],
+           shapes: Sequence[tuple[int, ...]]) -> dict[int, jax.Array]:
+    """The full leaves of ``buffer`` from its gathered buffer.
+
+    Args:
+      full: ``(*lead, num_shards * chunk)``: every device's chunk, in device order.
+      dims: per slot, the dimension of the leaf's (per-layer) shape it is split on.
+      shapes: per slot, the leaf's full (per-layer) shape.
+
+    Returns:
+      ``{leaf index: (*lead, *shape) array in the leaf's dtype}``.
+    """
+    lead = full.shape[:-1]
+    blocks = full.reshape(*lead, num_shards, buffer.chunk)
+    pieces = split_flat(blocks, tuple((s.offset, s.size) for s in buffer.slots))
+    out = {}
+    for s, piece, dim, shape in zip(buffer.slots, pieces, dims, shapes):
+        x = piece.reshape(*lead, num_shards, *s.shape)
+        x = jnp.moveaxis(x, len(lead), len(lead) + dim).reshape(*lead, *shape)
+        out[s.index] = x.astype(s.dtype)
+    return out
+
+
+def split_flat(flat: jax.Array, spans: tuple[tuple[int, int], ...]) -> tuple[jax.Array, ...]:
+    """The pieces ``flat[..., offset : offset + size]`` for ``(offset, size)`` in ``spans``
+    (increasing, non-overlapping).
+
+    Differentiable like the slices, but its transpose is one concatenation of the cotangents
+    with zeros in the gaps. The slices' own transpose pads every cotangent to the full buffer
+    and adds them up: one buffer-sized temporary and add per leaf, which XLA:CPU kept
+    unfused in the quantized step.
+    """
+    return _split(flat, tuple(spans), flat.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _split(flat, spans, total):
+    return tuple(flat[..., o : o + n] for o, n in spans)
+
+
+def _split_fwd(flat, spans, total):
+    return _split(flat, spans, total), None
+
+
+def _split_bwd(spans, total, _, cts):
+    lead, dtype = cts[0].shape[:-1], cts[0].dtype
+    parts, end = [], 0
+    for (o, n), ct in zip(spans, cts):
+        if o > end:
+            parts.append(jnp.zeros((*lead, o - end), dtype))
+        parts.append(jnp.asarray(ct, dtype))
+        end = o + n
+    if total > end:
+        parts.append(jnp.zeros((*lead, total - end), dtype))
+    return (jnp.concatenate(parts, axis=-1),)
+
+
+_split.defvjp(_split_fwd, _split_bwd)
+
+
+def _pad_to(x: jax.Array, n: int) -> jax.Array:
+    pad = n - x.shape[-1]
+    if pad == 0:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])

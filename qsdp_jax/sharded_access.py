@@ -1,0 +1,120 @@
+""":class:`ShardedParams`: the :class:`~qsdp_jax.access.ParamAccess` inside the train step.
+
+Inside the step's ``shard_map`` each device holds its block of every sharded leaf (and the
+whole of every replicated one). ``gather(group)`` packs the group's blocks into its flat
+buffer(s) (:func:`qsdp_jax.packing.pack`), all-gathers them (quantized per the config; lossless
+in ``"qsdp"`` mode, where the blocks lie on the grid held by the optimizer), and unpacks the full
+leaves; the backward pass of the gather reduce-scatters the buffer's gradient (quantized), so
+each device receives the summed gradient of its own blocks. ``scan(group, ...)`` does the same one
+layer at a time inside a rematerialised ``lax.scan`` body, so peak memory holds one layer.
+
+Gradient-quantization keys are ``derive_key(seed, GRAD, step, group, layer[, buffer])`` folded
+with the sender's index: the backward re-gather and every resumed run see the same randomness.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qsdp_jax import packing
+from qsdp_jax import quantizers as qz
+from qsdp_jax.collectives import make_gather
+from qsdp_jax.config import QSDPConfig
+from qsdp_jax.hierarchy import gather_spec
+from qsdp_jax.policy import Buffer
+from qsdp_jax.sharding import GroupLayout, ParamLayout
+
+PyTree = Any
+PURPOSE_GRAD = 2
+
+
+class ShardedParams:
+    """:class:`qsdp_jax.access.ParamAccess` over one device's blocks (see the module docstring).
+
+    Args:
+      layout: the train state's layout.
+      params: this device's blocks, the params' structure.
+      grid: ``(scales, offsets)`` trees of this device's grid blocks (``"qsdp"`` mode), or None.
+      step: the step being taken (keys the gradient noise).
+      config: the run's config.
+    """
+
+    def __init__(self, layout: ParamLayout, params: dict, grid, step, config: QSDPConfig):
+        self._layout = layout
+        self._params = params
+        self._grid = grid
+        self._step = step
+        self._config = config
+
+    def _key(self, group: str, layer, buffer: Buffer) -> jax.Array:
+        gi = self._layout.group_index(group)
+        if buffer.index == 0:
+            return qz.derive_key(self._config.seed, PURPOSE_GRAD, self._step, gi, layer)
+        return qz.derive_key(self._config.seed, PURPOSE_GRAD, self._step, gi, layer, buffer.index)
+
+    def _gather_buffer(self, buffer: Buffer, flat, grid, key):
+        """One buffer's gather (its gradient's reduce-scatter in the backward), at its bits."""
+        config = self._config if buffer.bits is None else self._config.buffer_config(*buffer.bits)
+        return make_gather(gather_spec(config))(flat, grid, key)
+
+    def _has_grid(self, buffer: Buffer) -> bool:
+        return self._grid is not None and buffer.resolved_bits(self._config)[0] is not None
+
+    def _buffer_grid(self, buffer: Buffer, grids):
+        """The buffer's (scales, offsets): its leaves' grid blocks concatenated, per layer rows."""
+        if grids is None:
+            return None
+        scales, offsets = grids
+        return (jnp.concatenate([scales[s.index] for s in buffer.slots], axis=-1),
+                jnp.concatenate([offsets[s.index] for s in buffer.slots], axis=-1))
+
+    def _full_leaves(self, g: GroupLayout, blocks: list, grids, layer) -> PyTree:
+        """The group's full leaves (one layer's, inside ``scan``) from this device's blocks."""
+        out = list(blocks)
+        n = self._layout.num_shards
+        for b in g.buffers:
+            flat = packing.pack(b, blocks, self._layout.bucket)
+            grid = self._buffer_grid(b, grids) if self._has_grid(b) else None
+            full = self._gather_buffer(b, flat, grid, self._key(g.name, layer, b))
+            leaves = [g.leaves[s.index] for s in b.slots]
+            got = packing.unpack(b, full, n, [x.dim for x in leaves], [x.shape for x in leaves])
+            for i, x in got.items():
+                out[i] = x
+        return jax.tree_util.tree_unflatten(g.treedef, out)
+
+    def _group_grids(self, g: GroupLayout):
+        if self._grid is None:
+            return None
+        scales, offsets = self._grid
+        # leaves without a grid hold an empty placeholder: None, so that scan() skips them
+        side = lambda tree: [x if x.size else None for x in jax.tree_util.tree_leaves(tree)]  # noqa: E731
+        return side(scales[g.name]), side(offsets[g.name])
+
+    def gather(self, group: str) -> PyTree:
+        g = self._layout.group(group)
+        if g.stacked:
+            raise ValueError(f"group {group!r} is layer-stacked: read it with scan(), not gather()")
+        grids = self._group_grids(g)
+        if grids is not None:  # a non-stacked leaf's grid is one row
+            grids = tuple([None if x is None else x.reshape(-1) for x in side] for side in grids)
+        return self._full_leaves(g, jax.tree_util.tree_leaves(self._params[group]), grids, 0)
+
+    def scan(self, group, body, init, xs=None, *, remat=True):
+        g = self._layout.group(group)
+        if not g.stacked:
+            raise ValueError(f"group {group!r} is not layer-stacked: read it with gather(), not scan()")
+        blocks = jax.tree_util.tree_leaves(self._params[group])
+        grids = self._group_grids(g)
+
+        def layer(carry, inputs):
+            blocks_l, grids_l, index, x = inputs
+            return body(carry, self._full_leaves(g, blocks_l, grids_l, index), x)
+
+        if remat:
+            layer = jax.checkpoint(layer, prevent_cse=False)
+        indices = jnp.arange(g.n_layers, dtype=jnp.int32)
+        return lax.scan(layer, init, (blocks, grids, indices, xs))
