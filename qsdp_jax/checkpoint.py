@@ -89,9 +89,9 @@ def _replicate(mesh: Mesh):
     return fn
 
 
-def _stored_name(key: str) -> tuple[str, str] | None:
-    """Where a leaf path lives in the ``arrays`` item: ``("params", subpath)`` or None (state)."""
-    return ("params", key[len(".params"):]) if key.startswith(".params") else None
+def _is_param(key: str) -> bool:
+    """A params leaf (stored in the ``arrays`` item's params pytree, not under ``state``)."""
+    return key.startswith(".params")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ class Checkpointer:
             library_version=library_version(), extra=_jsonable(extra or {}),
             leaves={k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
         )
-        names = {k: f"leaf_{i:04d}" for i, k in enumerate(arrays) if _stored_name(k) is None}
+        names = {k: f"leaf_{i:04d}" for i, k in enumerate(arrays) if not _is_param(k)}
         meta["names"] = names
         # Host copies now (each process holds the full replicated array): the caller may donate
         # or delete the state as soon as this returns; the files are written in the background.

@@ -84,7 +84,7 @@ def geometries(params: Any, config) -> list[LeafGrid]:
                 else [config.weight_bits] * len(params_leaves))
         out = []
         for x, w in zip(params_leaves, bits):
-            gridded = jnp.issubdtype(x.dtype, jnp.floating) and x.size >= config.min_shard_size and x.size
+            gridded = jnp.issubdtype(x.dtype, jnp.floating) and x.size >= max(config.min_shard_size, 1)
             out.append(LeafGrid(w if gridded else None, 1, x.size, -(-x.size // b)))
         return out
     layout = ctx.layout
@@ -210,11 +210,11 @@ def snap(leaves: Sequence[jax.Array], geos: Sequence[LeafGrid], scales, offsets,
 
     def fn(shard, blocks, s, o):
         del shard
-        return [_snap_block(x, a, b, g, config) for x, a, b, g in zip(blocks, s, o, sub)]
+        return ([_snap_block(x, a, b, g, config) for x, a, b, g in zip(blocks, s, o, sub)],)
 
     out = list(leaves)
-    snapped = _per_device(lambda sh, b, s, o: (fn(sh, b, s, o),), sub, 0, [leaves[i] for i in idx],
-                          [scales[i] for i in idx], [offsets[i] for i in idx])[0]
+    (snapped,) = _per_device(fn, sub, 0, [leaves[i] for i in idx], [scales[i] for i in idx],
+                             [offsets[i] for i in idx])
     for j, i in enumerate(idx):
         out[i] = snapped[j]
     return out

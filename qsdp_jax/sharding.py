@@ -311,9 +311,10 @@ class ParamLayout:
         """The PartitionSpec of every leaf (the params' structure)."""
         return self.unflatten([leaf_spec(g, x, axes) for g, x in self.leaves()])
 
-    def grid_specs(self, axes) -> dict[str, PyTree]:
-        """The PartitionSpec of every leaf's grid (QSDP mode): rows x buckets, split on buckets."""
-        return self.unflatten([P(None, axes) if x.sharded else P() for _, x in self.leaves()])
+    def grid_specs(self, axes, config) -> dict[str, PyTree]:
+        """The PartitionSpec of every leaf's grid (QSDP mode): rows x buckets, split on buckets;
+        ``P()`` for the empty placeholder of a leaf without weight bits."""
+        return self.unflatten([P() if w is None else P(None, axes) for w in self.weight_bits(config)])
 
     def shardings(self, mesh: Mesh, axes) -> dict[str, PyTree]:
         return jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs(axes),

@@ -204,11 +204,10 @@ def _local_grads(loss_fn, layout: ParamLayout, config: QSDPConfig, has_aux: bool
 
 
 def _grid_specs(layout: ParamLayout, config: QSDPConfig, grid):
+    """in_specs of the grid argument: ``(scales, offsets)`` specs, or ``()`` without a grid."""
     if grid is None:
         return ()
-    bits = layout.weight_bits(config)
-    axes = config.shard_axes
-    specs = layout.unflatten([P(None, axes) if w is not None else P() for w in bits])
+    specs = layout.grid_specs(config.shard_axes, config)
     return (specs, specs)
 
 
