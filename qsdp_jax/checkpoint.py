@@ -2,11 +2,11 @@
 
 Usage::
 
-    ckpt = qsdp_jax.Checkpointer("runs/x/ckpt", keep=3)
-    ckpt.save(state, config, mesh, extra={"data_position": int(state.step)})   # asynchronous
-    ...
-    template = qsdp_jax.init_train_state(params, opt, mesh, config, stacked=...)  # any mesh
-    state, extra = ckpt.restore(template, config, mesh)          # latest complete checkpoint
+    with qsdp_jax.Checkpointer("runs/x/ckpt", keep=3) as ckpt:
+        ckpt.save(state, config, mesh, extra={"data_position": int(state.step)})  # asynchronous
+        ...
+        template = qsdp_jax.init_train_state(params, opt, mesh, config, stacked=...)  # any mesh
+        state, extra = ckpt.restore(template, config, mesh)   # newest complete, intact checkpoint
 
 **What is stored.** The state's leaves are ordinary global arrays of the model's shapes
 (``qsdp_jax.sharding``), so they are stored as they are: the ``arrays`` item holds
@@ -32,13 +32,20 @@ A config, layout, leaf or identity mismatch is refused with an error naming the 
 **Atomic.** Orbax writes a step into a temporary directory and renames it when complete; only
 complete steps are listed, so a checkpoint half-written when the process died is never picked up
 (and its leftovers are removed when the next manager opens the directory).
+
+**Safe by default** (:mod:`qsdp_jax.checkpoint_safety`). Pending saves complete before the
+process exits, also when the script never calls ``wait()``/``close()`` (a save failing then ends
+the process with status 1). Every array's CRC-32 is recorded and checked on restore; a damaged
+step (changed bytes, unreadable metadata, a missing part) raises :class:`CheckpointDamaged`
+naming it, and ``restore()`` without a ``step`` then warns and falls back to the newest intact
+step. One writer per directory: a second Checkpointer saving into it fails at once naming the
+first; an unwritable directory fails the save at once, before any background write starts.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.metadata
-import json
+import errno
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -46,29 +53,22 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from qsdp_jax import checkpoint_safety as safety
+from qsdp_jax.checkpoint_record import (
+    FORMAT, CheckpointMismatch, check_format, check_match, comparable, describe, jsonable,
+    library_version, moved_grids, refuse_grids,
+)
+from qsdp_jax.checkpoint_safety import CheckpointDamaged, CheckpointLocked
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.regrid import grid_leaf_keys
 from qsdp_jax.regrid import regrid as regrid_state
-from qsdp_jax.sharding import ParamLayout
 
-FORMAT = 2
+__all__ = ["FORMAT", "CheckpointDamaged", "CheckpointLocked", "CheckpointMismatch", "Checkpointer",
+           "export_state"]
 PyTree = Any
-
-
-class CheckpointMismatch(ValueError):
-    """The checkpoint was made for another config, model or run; the message names the field."""
-
-
-def library_version() -> str:
-    try:
-        return importlib.metadata.version("qsdp_jax")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - source checkout
-        return "unknown"
-
-
-FORMAT_NAMES = {1: "flat per-layer buffers (qsdp_jax before the per-parameter layout)"}
 
 
 def export_state(state, mesh: Mesh) -> dict[str, jax.Array]:
@@ -95,135 +95,13 @@ def _is_param(key: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# What defines a checkpoint
-# ----------------------------------------------------------------------------------------------
-def describe_layout(layout: ParamLayout) -> dict:
-    """The device-count-independent part of a layout (the model's shape as the state sees it)."""
-    return {
-        "bucket": layout.bucket,
-        "groups": {
-            g.name: {
-                "stacked": g.stacked,
-                "n_layers": g.n_layers,
-                "treedef": str(g.treedef),
-                "leaves": [[x.path, list(x.shape), x.dtype] for x in g.leaves],
-            }
-            for g in layout.groups
-        },
-    }
-
-
-def describe_grids(layout: ParamLayout, config: QSDPConfig) -> dict:
-    """``{leaf path: geometry}`` of every weight grid (``"qsdp"`` mode): ``"row-major"`` where
-    the buckets do not depend on the device count, else the split and the shard count."""
-    if config.weight_mode != "qsdp":
-        return {}
-    out = {}
-    for (g, x), bits in zip(layout.leaves(), layout.weight_bits(config)):
-        if bits is None:
-            continue
-        if x.dim == 0 and x.local_size % layout.bucket == 0:
-            out[x.path] = "row-major"
-        else:
-            out[x.path] = f"dim {x.dim} over {layout.num_shards} shards, {x.buckets} buckets each"
-    return out
-
-
-def _config_record(config: QSDPConfig) -> dict:
-    """The config as stored; ``bit_policy`` only when set, so that checkpoints made before the
-    field existed compare equal to a policy-less config (and a policy is a named mismatch)."""
-    record = dataclasses.asdict(config)
-    if not config.bit_policy:
-        record.pop("bit_policy")
-    else:
-        record["bit_policy"] = [list(r) for r in config.bit_policy]
-    return record
-
-
-def describe(state, config: QSDPConfig, mesh: Mesh, identity: dict | None = None) -> dict:
-    """What must match for a checkpoint of ``state`` to load into a run (see :func:`check_match`)."""
-    if not isinstance(config, QSDPConfig):
-        raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
-    return {
-        "format": FORMAT,
-        "config": _config_record(config),
-        "layout": describe_layout(state.layout),
-        "grids": describe_grids(state.layout, config),
-        "identity": _jsonable(identity or {}),
-    }
-
-
-# Where the state lives, not what it is: a checkpoint loads onto another mesh shape (1-D fsdp,
-# hierarchical node x local) with other axis names.
-PLACEMENT_FIELDS = ("axis_name", "node_axis", "replica_axis")
-
-
-def _comparable(record: dict) -> dict:
-    """``record`` (from :func:`describe`) without the config's mesh-placement fields."""
-    config = {k: v for k, v in (record.get("config") or {}).items() if k not in PLACEMENT_FIELDS}
-    return {**record, "config": config}
-
-
-def check_match(saved: dict, wanted: dict, where: str = "checkpoint") -> None:
-    """Raise :class:`CheckpointMismatch` naming the first field where ``saved`` and ``wanted``
-    differ (dotted path, both values)."""
-    diff = _first_difference(saved, wanted, "")
-    if diff is not None:
-        field, a, b = diff
-        raise CheckpointMismatch(
-            f"{where} does not match this run: {field} is {a!r} in the checkpoint but {b!r} here; "
-            "resume with the same settings, or start a fresh run in another directory"
-        )
-
-
-def _first_difference(a, b, prefix: str):
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b), key=str):
-            name = f"{prefix}.{k}" if prefix else str(k)
-            if k not in a:
-                return name, "<absent>", b[k]
-            if k not in b:
-                return name, a[k], "<absent>"
-            d = _first_difference(a[k], b[k], name)
-            if d is not None:
-                return d
-        return None
-    return None if a == b else (prefix, a, b)
-
-
-def _check_format(meta: dict, where: str) -> None:
-    if meta.get("format") != FORMAT:
-        old = FORMAT_NAMES.get(meta.get("format"), f"format {meta.get('format')!r}")
-        raise CheckpointMismatch(
-            f"{where} was written in {old}; this version of qsdp_jax reads format {FORMAT} "
-            "(per-parameter leaves): restore it with the version that wrote it, or start afresh")
-
-
-def _moved_grids(saved: dict, wanted: dict) -> list[str]:
-    """The leaves whose QSDP grid has other buckets here (see the module docstring)."""
-    return sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
-
-
-def _refuse_grids(saved: dict, wanted: dict, moved: list[str], where: str) -> None:
-    k = moved[0]
-    raise CheckpointMismatch(
-        f"{where}: the weight grid of {len(moved)} leaves has other buckets on this mesh "
-        f"({k}: {saved.get(k, 'no grid')!r} in the checkpoint, {wanted.get(k, 'no grid')!r} "
-        "here): a grid restores exactly only where a leaf's shard is whole buckets of its "
-        "row-major order on both meshes. Restore on the checkpoint's mesh shape, or pass "
-        "regrid=True to re-project those weights onto this mesh's grid (round to nearest)"
-    )
-
-
-def _jsonable(x):
-    return json.loads(json.dumps(x, default=str))
-
-
-# ----------------------------------------------------------------------------------------------
 # The manager
 # ----------------------------------------------------------------------------------------------
 class Checkpointer:
     """Save and restore :class:`~qsdp_jax.train.TrainState` with orbax's ``CheckpointManager``.
+
+    Use it as a context manager (or call :meth:`close`); pending saves are completed at
+    interpreter exit in any case.
 
     Args:
       directory: where step directories go (created if missing).
@@ -237,36 +115,72 @@ class Checkpointer:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} is invalid: must be an integer >= 1")
         self.directory = Path(directory).absolute()
+        # An existing directory this process cannot write (a read-only mount, another user's
+        # run) is opened read-only: restore works, save fails at once naming it.
+        self.read_only = self.directory.is_dir() and not os.access(self.directory, os.W_OK)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
+            max_to_keep=keep, create=not self.read_only, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=not self.read_only, read_only=self.read_only,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("arrays", "meta"))
+        self._lock = safety.WriterLock(self.directory)
+        self._closed = False
+        safety.finish_at_exit(self)
 
     # -- queries --
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step, or None."""
+        """The newest complete checkpoint's step, or None (complete: fully written; whether it is
+        intact is checked when it is restored)."""
         self._manager.reload()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        """The steps of every complete checkpoint, oldest first."""
         self._manager.reload()
         return list(self._manager.all_steps())
 
     def metadata(self, step: int | None = None) -> dict:
-        """The JSON record stored with a checkpoint (default: the latest)."""
+        """The JSON record stored with a checkpoint (default: the latest).
+
+        Raises:
+          CheckpointDamaged: naming the file, when the record cannot be read.
+        """
         step = self._pick(step)
-        out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return out["meta"]
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 - orbax raises whatever the damaged file gives
+            raise CheckpointDamaged(f"{self.directory / str(step) / 'meta'}: the checkpoint's "
+                                    f"record cannot be read ({type(e).__name__}: {e})") from e
+        meta = out["meta"]
+        if not isinstance(meta, dict):
+            raise CheckpointDamaged(f"{self.directory / str(step) / 'meta'}: not a checkpoint record")
+        return meta
 
     # -- save / restore --
     def save(self, state, config: QSDPConfig, mesh: Mesh, *, identity: dict | None = None,
              extra: dict | None = None, force: bool = True) -> bool:
         """Save ``state`` at its step (asynchronously unless ``async_save=False``).
 
-        ``identity`` must match on restore; ``extra`` is carried (e.g. the data position).
-        Returns False if a checkpoint of that step exists already.
+        Args:
+          state: the TrainState.
+          config: its config.
+          mesh: its mesh.
+          identity: what must match on restore (e.g. the run's settings).
+          extra: what is carried (e.g. the data position).
+          force: passed to orbax (save whatever the save interval).
+
+        Returns:
+          False if a checkpoint of that step exists already, else True.
+
+        Raises:
+          CheckpointLocked: another Checkpointer is writing into this directory.
+          OSError: the directory cannot be written.
         """
+        if self.read_only:
+            raise OSError(errno.EROFS, f"cannot save into {self.directory}: it is not writable "
+                          "here (opened read-only: restore works, save does not)")
+        if jax.process_index() == 0:
+            self._lock.acquire()
         step = int(jax.device_get(state.step))
         if step in self._manager.all_steps():  # no reload: it would race pending deletions
             return False
@@ -274,7 +188,7 @@ class Checkpointer:
         meta = describe(state, config, mesh, identity)
         meta.update(
             step=step, mesh_shape={k: int(v) for k, v in mesh.shape.items()},
-            library_version=library_version(), extra=_jsonable(extra or {}),
+            library_version=library_version(), extra=jsonable(extra or {}),
             leaves={k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
         )
         names = {k: f"leaf_{i:04d}" for i, k in enumerate(arrays) if not _is_param(k)}
@@ -282,6 +196,7 @@ class Checkpointer:
         # Host copies now (each process holds the full replicated array): the caller may donate
         # or delete the state as soon as this returns; the files are written in the background.
         host = {k: np.asarray(v.addressable_data(0)) for k, v in arrays.items()}
+        meta["checksums"] = safety.checksums(host)
         params = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(state.params),
             [host[".params" + jax.tree_util.keystr(p)]
@@ -294,14 +209,15 @@ class Checkpointer:
 
     def restore(self, template, config: QSDPConfig, mesh: Mesh, *, step: int | None = None,
                 identity: dict | None = None, regrid: bool = False):
-        """``(state, extra)`` from a checkpoint (default: the latest complete one), laid out
-        like ``template`` (a TrainState, concrete or abstract, for this mesh and config).
+        """``(state, extra)`` from a checkpoint (default: the newest complete, intact one), laid
+        out like ``template`` (a TrainState, concrete or abstract, for this mesh and config).
 
         Args:
           template: a TrainState for this mesh and config (concrete or abstract).
           config: this run's config.
           mesh: this run's mesh.
-          step: the step to restore (default: the newest complete one).
+          step: the step to restore (default: the newest complete one; a damaged one is skipped
+            with a warning for the next older one).
           identity: what must match the saved run's (e.g. its settings).
           regrid: where a weight grid's buckets differ on this mesh (see the module docstring),
             re-project those weights onto this mesh's grid by round to nearest (each moves by
@@ -310,40 +226,73 @@ class Checkpointer:
         Raises:
           CheckpointMismatch: naming the field, when the config, layout, grids, leaves or
             ``identity`` differ.
+          CheckpointDamaged: the step asked for is damaged, or (no step given) every one is.
           FileNotFoundError: when there is no complete checkpoint.
         """
         self.wait()
-        step = self._pick(step)
+        if step is not None:
+            return self._restore_step(template, config, mesh, self._pick(step), identity, regrid)
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        damage: dict[int, str] = {}
+        for s in sorted(steps, reverse=True):
+            try:
+                out = self._restore_step(template, config, mesh, s, identity, regrid)
+            except CheckpointDamaged as e:
+                damage[s] = str(e)
+                warnings.warn(f"{e}; trying the next older checkpoint", stacklevel=2)
+                continue
+            if damage:
+                self._set_aside(sorted(damage))
+            return out
+        raise CheckpointDamaged(f"no intact checkpoint in {self.directory}: " + "; ".join(damage.values()))
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename damaged step directories to ``<step>.damaged`` (kept for a person to look at),
+        so that the resumed run saves those steps afresh instead of skipping them as existing."""
+        if not self.read_only and jax.process_index() == 0:
+            moved = []
+            for s in steps:
+                target = self.directory / f"{s}.damaged"
+                n = 1
+                while target.exists():
+                    target, n = self.directory / f"{s}.damaged.{n}", n + 1
+                (self.directory / str(s)).rename(target)
+                moved.append(target.name)
+            warnings.warn(f"moved the damaged checkpoint(s) aside in {self.directory}: {moved} "
+                          "(delete them once looked at)", stacklevel=3)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"qsdp_jax checkpoint set aside {steps}")
+        self._manager.reload()
+
+    def _restore_step(self, template, config, mesh, step, identity, regrid):
         meta = self.metadata(step)
         where = f"checkpoint {self.directory}/{step}"
-        _check_format(meta, where)
+        check_format(meta, where)
         wanted = describe(template, config, mesh, identity)
-        check_match(_comparable({k: meta.get(k) for k in ("format", "config", "layout", "identity")}),
-                    _comparable({k: wanted[k] for k in ("format", "config", "layout", "identity")}), where=where)
-        moved = _moved_grids(meta.get("grids", {}), wanted["grids"])
+        keys = ("format", "config", "layout", "identity")
+        check_match(comparable({k: meta.get(k) for k in keys}), comparable({k: wanted[k] for k in keys}),
+                    where=where)
+        moved = moved_grids(meta.get("grids", {}), wanted["grids"])
         if moved and not regrid:
-            _refuse_grids(meta.get("grids", {}), wanted["grids"], moved, where)
-        template_values = {}
-        if moved:
-            keys = grid_leaf_keys(template, moved)
-            template_values = {jax.tree_util.keystr(p): x for p, x in
-                               jax.tree_util.tree_flatten_with_path(template)[0]
-                               if jax.tree_util.keystr(p) in keys}
+            refuse_grids(meta.get("grids", {}), wanted["grids"], moved, where)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+        regridded = grid_leaf_keys(template, moved) if moved else set()
         want = {jax.tree_util.keystr(p) for p, _ in leaves}
-        missing = sorted(want - set(meta["leaves"]) - set(template_values))
+        missing = sorted(want - set(meta["leaves"]) - regridded)
         unexpected = sorted(set(meta["leaves"]) - want)
         if missing or unexpected:
             raise CheckpointMismatch(
                 f"{where} holds another state structure: missing "
                 f"{missing[:3]}, unexpected {unexpected[:3]} (a different optimizer or model?)"
             )
-        arrays = self.load_arrays(step)
+        arrays = self._load(step, meta)
         out = []
         for path, like in leaves:
             key = jax.tree_util.keystr(path)
-            if key in template_values:  # a grid of this mesh's buckets, filled by regrid below
-                out.append(template_values[key])
+            if key in regridded:  # a grid of this mesh's buckets, filled by regrid below
+                out.append(like)
                 continue
             host = arrays[key]
             if tuple(host.shape) != tuple(like.shape):
@@ -354,40 +303,60 @@ class Checkpointer:
         state = jax.tree_util.tree_unflatten(treedef, out)
         if moved:
             warnings.warn(f"{where}: the weight grids of {moved} have other buckets on this mesh; "
-                          "their weights were re-projected onto it (round to nearest)", stacklevel=2)
+                          "their weights were re-projected onto it (round to nearest)", stacklevel=3)
             state = regrid_state(state, moved, config, mesh)
         return state, meta.get("extra", {})
 
     def load_arrays(self, step: int | None = None) -> dict[str, np.ndarray]:
-        """The stored arrays ``{leaf path: numpy array}`` (zero-size ones included), e.g. to
-        compare two runs' final states."""
+        """The stored arrays ``{leaf path: numpy array}`` (zero-size ones included), checked
+        against their saved checksums, e.g. to compare two runs' final states.
+
+        Raises:
+          CheckpointDamaged: the step's files cannot be read or do not hold what was saved.
+        """
         step = self._pick(step)
         meta = self.metadata(step)
-        _check_format(meta, f"checkpoint {self.directory}/{step}")
-        tree = self._manager.item_metadata(step)["arrays"]
-        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        got = self._manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.PyTreeRestore(
-            item=tree, restore_args=as_numpy)))["arrays"]
-        params = {".params" + jax.tree_util.keystr(p): np.asarray(x)
-                  for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]}
-        state = got.get("state", {})
-        out = {}
-        for k, (shape, dtype) in meta["leaves"].items():
-            if k in params:
-                out[k] = params[k]
-            elif int(np.prod(shape)) == 0:
-                out[k] = np.zeros(shape, dtype)
-            else:
-                out[k] = np.asarray(state[meta["names"][k]])
+        check_format(meta, f"checkpoint {self.directory}/{step}")
+        return self._load(step, meta)
+
+    def _load(self, step: int, meta: dict) -> dict[str, np.ndarray]:
+        where = f"checkpoint {self.directory}/{step}"
+        try:
+            tree = self._manager.item_metadata(step)["arrays"]
+            as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+            got = self._manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.PyTreeRestore(
+                item=tree, restore_args=as_numpy)))["arrays"]
+            params = {".params" + jax.tree_util.keystr(p): np.asarray(x)
+                      for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]}
+            state = got.get("state", {})
+            out = {}
+            for k, (shape, dtype) in meta["leaves"].items():
+                if k in params:
+                    out[k] = params[k]
+                elif int(np.prod(shape)) == 0:
+                    out[k] = np.zeros(shape, dtype)
+                else:
+                    out[k] = np.asarray(state[meta["names"][k]])
+        except Exception as e:  # noqa: BLE001 - whatever orbax/tensorstore raise for bad files
+            raise CheckpointDamaged(f"{where}: its arrays cannot be read ({type(e).__name__}: {e})") from e
+        safety.verify(out, meta.get("checksums"), where)
         return out
 
     def wait(self) -> None:
-        """Block until pending asynchronous saves are complete."""
+        """Block until pending asynchronous saves are complete (re-raising a failed save)."""
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Complete pending saves, close orbax's manager and release the directory. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._manager.wait_until_finished()
+            self._manager.close()
+        finally:
+            self._closed = True
+            self._lock.release()
+            safety.closed(self)
 
     def __enter__(self):
         return self

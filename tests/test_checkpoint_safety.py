@@ -1,0 +1,263 @@
+"""Checkpoints a user cannot lose by habit: a script that ends without wait(), damaged files,
+two writers, read-only and full disks (qsdp_jax.checkpoint_safety)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import optax
+import pytest
+
+import jax
+import qsdp_jax as q
+import toymodel
+from qsdp_jax.checkpoint import CheckpointDamaged, CheckpointLocked, Checkpointer
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = q.QSDPConfig.qsdp(8, 8, bucket_size=64, min_shard_size=256)
+
+
+def _setup():
+    mesh = q.make_mesh()
+    opt = q.optim.qsdp(optax.adam(1e-2), CONFIG)
+    state = q.init_train_state(toymodel.init(0), opt, mesh, CONFIG, stacked=toymodel.STACKED)
+    step = q.make_train_step(toymodel.loss, opt, mesh, CONFIG, donate=False)
+    return mesh, state, step
+
+
+def _run(step, state, start, stop):
+    losses = []
+    for i in range(start, stop):
+        state, m = step(state, toymodel.batch(i))
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+# The README's habit: save at the end of a script and let it end (no wait(), no close()).
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import test_checkpoint_safety as t
+    mesh, state, step = t._setup()
+    state, _ = t._run(step, state, 0, 3)
+    t.q.Checkpointer(sys.argv[1]).save(state, t.CONFIG, mesh)
+    _, losses = t._run(step, state, 3, 5)
+    json.dump(losses, open(sys.argv[2], "w"))
+""")
+
+
+def _python(code: str, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_script_ending_right_after_save_keeps_its_checkpoint(tmp_path):
+    """Exit without wait(): the save completes, and a new process resumes it bit for bit."""
+    ckdir, losses_file = tmp_path / "ck", tmp_path / "losses.json"
+    done = _python(SCRIPT.format(tests=str(REPO / "tests")), ckdir, losses_file)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ckpt = Checkpointer(ckdir)
+    assert ckpt.all_steps() == [3]
+    mesh, template, step = _setup()
+    state, _ = ckpt.restore(template, CONFIG, mesh)
+    _, losses = _run(step, state, 3, 5)
+    assert losses == json.loads(losses_file.read_text())  # the same floats: a bit-exact resume
+
+
+def _two_steps(tmp_path):
+    """A directory with complete checkpoints of steps 2 and 4, and the state at step 2."""
+    mesh, state, step = _setup()
+    with Checkpointer(tmp_path / "ck", async_save=False) as ckpt:
+        state2, _ = _run(step, state, 0, 2)
+        ckpt.save(state2, CONFIG, mesh)
+        state4, _ = _run(step, state2, 2, 4)
+        ckpt.save(state4, CONFIG, mesh)
+    return tmp_path / "ck", mesh, state, state2
+
+
+def _flip_bytes(path: Path, n: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + n] = bytes(b ^ 0xFF for b in data[mid:mid + n])
+    path.write_bytes(bytes(data))
+
+
+def _largest_array_file(stepdir: Path) -> Path:
+    return max((p for p in (stepdir / "arrays").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["array bytes", "metadata", "arrays deleted"])
+def test_damaged_checkpoint_is_named_and_restore_falls_back(damage, tmp_path):
+    ckdir, mesh, template, state2 = _two_steps(tmp_path)
+    if damage == "array bytes":
+        _flip_bytes(_largest_array_file(ckdir / "4"))
+    elif damage == "metadata":
+        (ckdir / "4" / "meta" / "metadata").write_text("{garbage")
+    else:
+        import shutil
+
+        shutil.rmtree(ckdir / "4" / "arrays")
+    ckpt = Checkpointer(ckdir)
+    with pytest.raises(CheckpointDamaged, match=f"{ckdir}/4"):
+        ckpt.restore(template, CONFIG, mesh, step=4)
+    with pytest.warns(UserWarning, match="trying the next older checkpoint|moved the damaged"):
+        state, _ = ckpt.restore(template, CONFIG, mesh)
+    assert int(state.step) == 2
+    for a, b in zip(_leaves(state), _leaves(state2), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # The damaged step is kept aside for a person, and saving that step again works.
+    assert (ckdir / "4.damaged").is_dir() and ckpt.all_steps() == [2]
+
+
+def test_checksums_catch_changed_values(tmp_path):
+    """Values changed in a way that still decodes (here: the recorded checksum of one leaf no
+    longer matches what is stored) are refused, not restored."""
+    ckdir, mesh, template, _ = _two_steps(tmp_path)
+    meta_file = ckdir / "4" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    key = next(k for k in meta["checksums"] if k.startswith(".params"))
+    meta["checksums"][key] ^= 1
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointDamaged, match=r"do not match the checksum .*first: " + key.replace("[", r"\[")):
+        Checkpointer(ckdir).load_arrays(4)
+
+
+def test_every_step_damaged_is_a_clear_error(tmp_path):
+    ckdir, mesh, template, _ = _two_steps(tmp_path)
+    for s in ("2", "4"):
+        (ckdir / s / "meta" / "metadata").write_text("not json")
+    with pytest.warns(UserWarning), pytest.raises(CheckpointDamaged, match="no intact checkpoint"):
+        Checkpointer(ckdir).restore(template, CONFIG, mesh)
+
+
+def test_one_writer_per_directory(tmp_path):
+    mesh, state, _ = _setup()
+    first = Checkpointer(tmp_path / "ck", async_save=False)
+    first.save(state, CONFIG, mesh)
+    second = Checkpointer(tmp_path / "ck", async_save=False)
+    with pytest.raises(CheckpointLocked, match=f"pid {os.getpid()}"):
+        second.save(state, CONFIG, mesh)
+    assert second.latest_step() == 0  # a reader is fine
+    first.close()
+    assert second.save(state, CONFIG, mesh) is False  # the lock is free (the step exists already)
+    second.close()
+
+
+def test_a_killed_writer_leaves_no_stale_lock(tmp_path):
+    from qsdp_jax.checkpoint_safety import WriterLock
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from qsdp_jax.checkpoint_safety import WriterLock;"
+         "WriterLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)", str(tmp_path)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(CheckpointLocked, match=f"pid {holder.pid}"):
+        WriterLock(tmp_path).acquire()
+    holder.kill()
+    holder.wait()
+    lock = WriterLock(tmp_path)
+    lock.acquire()
+    assert lock.held
+    lock.release()
+
+
+def _mount_tmpfs(path: Path, options: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "none", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def _disk(path: Path, size: str):
+    if not _mount_tmpfs(path, f"size={size}"):
+        pytest.skip("needs permission to mount a tmpfs (a small or read-only disk)")
+    return path
+
+
+@pytest.fixture
+def mounts(tmp_path):
+    made = []
+    yield lambda name, size: made.append(_disk(tmp_path / name, size)) or made[-1]
+    for path in made:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_read_only_directory_restores_and_refuses_saves_at_once(mounts):
+    disk = mounts("ro", "8m")
+    mesh, state, _ = _setup()
+    with Checkpointer(disk / "ck", async_save=False) as ckpt:
+        ckpt.save(state, CONFIG, mesh)
+    assert subprocess.run(["mount", "-o", "remount,ro", str(disk)]).returncode == 0
+    ckpt = Checkpointer(disk / "ck")
+    assert ckpt.read_only
+    restored, _ = ckpt.restore(state, CONFIG, mesh)
+    for a, b in zip(_leaves(restored), _leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(OSError, match="not writable"):
+        ckpt.save(restored, CONFIG, mesh)
+    ckpt.close()
+
+
+def test_full_disk_fails_loudly_at_exit(mounts):
+    """A save that cannot complete (no space left) ends a script that never waited with a
+    nonzero status and a message, not status 0 with nothing written."""
+    code = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, {tests!r})
+        import test_checkpoint_safety as t
+        mesh, state, step = t._setup()
+        t.q.Checkpointer(sys.argv[1]).save(state, t.CONFIG, mesh)
+    """).format(tests=str(REPO / "tests"))
+    done = _python(code, mounts("full", "64k") / "ck")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "did not complete at exit" in done.stderr and "No space left" in done.stderr
+
+
+TRAINER_ARGS = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--seq-len", "16", "--batch", "4",
+                "--bucket-size", "64", "--min-shard-size", "256", "--eval-batches", "1",
+                "--data", str(REPO / "tests" / "testdata" / "shakespeare_small.txt"), "--lr", "1e-2",
+                "--warmup", "1", "--no-fp32-ratio", "--quiet", "--steps", "6", "--eval-every", "6",
+                "--devices", "2", "--checkpoint-every", "2", "--keep", "3"]
+
+
+def _trainer(out: Path, *extra) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "experiments.train_gpt", *TRAINER_ARGS, "--out", str(out), *extra],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_trainer_resumes_from_the_newest_intact_checkpoint(tmp_path):
+    """Steps 4 and 6 damaged (bytes flipped, garbage metadata): --resume continues from step 2
+    and ends with the uninterrupted run's state and losses, every step once."""
+    out = tmp_path / "run"
+    assert _trainer(out).returncode == 0
+    with Checkpointer(out / "checkpoints") as c:
+        assert c.all_steps() == [2, 4, 6]
+        want = c.load_arrays(6)
+    want_rows = (out / "metrics.jsonl").read_text().splitlines()
+    _flip_bytes(_largest_array_file(out / "checkpoints" / "6"))
+    (out / "checkpoints" / "4" / "meta" / "metadata").write_text("{garbage")
+    done = _trainer(out, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trying the next older checkpoint" in done.stderr
+    with Checkpointer(out / "checkpoints") as c:
+        assert c.all_steps() == [2, 4, 6]
+        got = c.load_arrays(6)
+    assert want.keys() == got.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["loss"] for r in rows] == [json.loads(r)["loss"] for r in want_rows]
