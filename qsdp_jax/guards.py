@@ -4,35 +4,58 @@
   clear errors (they used to fail deep inside JAX, or train on NaN);
 * :func:`warn_padding`: a bucket far larger than the leaves multiplies the memory silently;
 * :class:`CheckedStep`: calling a step with a state donated to an earlier call is a Python error
-  (it could segfault).
+  (it could segfault);
+* :func:`check_mesh`: a state placed on another mesh than the step's is a clear error.
+
+The checks name what they find through a ``label`` function of the leaf's key path, so the
+Flax NNX front door (``qsdp_jax.nnx``) reports module paths and ``nnx.Param`` where the
+``ParamAccess`` API reports keys of its params dict.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.sharding import ParamLayout
 
+DICT_INT_HINT = "keep integer or boolean constants out of the params dict, e.g. in the loss's closure"
 
-def check_params(params, stacked) -> None:
+
+def _param_label(path) -> str:
+    return f"parameter {jax.tree_util.keystr(path)}"
+
+
+def _state_label(path) -> str:
+    return f"train state's {jax.tree_util.keystr(path)}"
+
+
+def check_params(params, stacked, *, label: Callable = _param_label, int_hint: str = DICT_INT_HINT) -> None:
     """Clear errors for what would fail deep inside JAX or train silently wrong: ``stacked``
-    given as a string, non-float leaves, NaN/Inf values (concrete params only)."""
+    given as a string, non-float leaves, NaN/Inf values (concrete params only).
+
+    Args:
+      params: the parameter pytree.
+      stacked: the stacked group names.
+      label: names a leaf in the messages, from its key path.
+      int_hint: where to keep integer or boolean arrays instead, for the dtype error.
+    """
     if isinstance(stacked, str):
         raise TypeError(
             f"stacked must be a sequence of group names, e.g. ({stacked!r},), got the string {stacked!r}"
         )
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = jax.tree_util.keystr(path)
+        name = label(path)
         dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(
-                f"parameter {name} has dtype {dtype}: parameters must be floating point (keep "
-                "integer or boolean constants out of the params dict, e.g. in the loss's closure)"
+                f"{name} has dtype {dtype}: parameters must be floating point ({int_hint})"
             )
         if isinstance(x, (jax.ShapeDtypeStruct, jax.core.Tracer)):
             continue
@@ -43,17 +66,18 @@ def check_params(params, stacked) -> None:
         except jax.errors.ConcretizationTypeError:  # inside a trace (e.g. eval_shape): no values
             continue
         if not finite:
-            raise ValueError(f"parameter {name} holds NaN or Inf values at init")
+            raise ValueError(f"{name} holds NaN or Inf values at init")
 
 
-def check_not_donated(state) -> None:
-    """A Python error instead of a crash when a state whose buffers were donated is used again."""
+def check_not_donated(state, label: Callable = _state_label) -> None:
+    """A Python error instead of a crash when a state whose buffers were donated is used again
+    (``label`` names the leaf from its key path)."""
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
             raise RuntimeError(
-                f"the train state's {jax.tree_util.keystr(path)} was deleted: this state was "
-                "donated to an earlier step call (donate=True). Use the state that call returned, "
-                "or build the step with donate=False to keep inputs alive"
+                f"the {label(path)} was deleted: this state was donated to an earlier step call "
+                "(donate=True). Use the state that call returned, or build the step with "
+                "donate=False to keep inputs alive"
             )
 
 
@@ -69,6 +93,28 @@ class CheckedStep:
 
     def __getattr__(self, name):
         return getattr(self._jitted, name)
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    """``"{'fsdp': 8} (8 devices: 0, 1, ...)"``: a mesh's axes and devices, for messages."""
+    ids = [d.id for d in mesh.devices.flat]
+    shown = ", ".join(map(str, ids[:16])) + (", ..." if len(ids) > 16 else "")
+    return f"{dict(mesh.shape)} ({len(ids)} devices: {shown})"
+
+
+def check_mesh(arrays, mesh: Mesh, label: Callable = _state_label) -> None:
+    """A clear error when an array of ``arrays`` (a pytree) lies on another mesh than ``mesh``
+    (the step's); arrays placed otherwise than by a ``NamedSharding`` are not checked."""
+    for path, x in jax.tree_util.tree_flatten_with_path(arrays)[0]:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            continue
+        sharding = x.sharding
+        if isinstance(sharding, NamedSharding) and sharding.mesh is not mesh and sharding.mesh != mesh:
+            raise ValueError(
+                f"the {label(path)} lies on the mesh {describe_mesh(sharding.mesh)} but this step "
+                f"was built for the mesh {describe_mesh(mesh)}: make the state on the step's mesh, "
+                "or restore a checkpoint of it onto that mesh (qsdp_jax.checkpoint reshards)"
+            )
 
 
 PADDING_WARN_RATIO = 32

@@ -14,10 +14,17 @@ Usage::
     state, metrics = step(state, batch)
     qsdp_jax.nnx.update(model, state)                          # weights back into the module
 
+The module stays yours: the state owns copies of what it holds, so no step donates or deletes an
+array of the module (or of an ``nnx.clone`` of it). Between steps the module computes with the
+weights of its last :func:`update` (those of :func:`init_state` before the first). The train
+step runs the module in training mode and the eval step in eval mode (as ``model.train()`` /
+``model.eval()`` set them) whatever mode the module is in; ``mode=None`` runs it as it was when
+the step was built.
+
 The parameter groups (the unit of one gather), the layer stacks and the model state come from
-the module tree (``qsdp_jax.nnx_tree``; ``describe(model).groups`` lists what was found). The step is ``qsdp_jax.make_train_step`` with a loss
-that merges the module from its cached ``GraphDef`` with parameters gathered on first read
-(``qsdp_jax.nnx_scan``). Layer stacks are gathered one layer at a time where the forward
+the module tree (``qsdp_jax.nnx_tree``; ``describe(model).groups`` lists what was found). The
+step is ``qsdp_jax.make_train_step`` with a loss that merges the module from its cached
+``GraphDef`` with parameters gathered on first read (``qsdp_jax.nnx_scan``). Layer stacks are gathered one layer at a time where the forward
 scans them with :func:`scan` (the ``nnx.scan`` drop-in); read any other way a stack is
 gathered whole, with a warning, and ``step.summary(state, batch)`` states the memory this costs.
 
@@ -41,11 +48,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from qsdp_jax import train
+from qsdp_jax import guards, train
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.nnx_scan import scan  # noqa: F401  (re-exported: qsdp_jax.nnx.scan)
 from qsdp_jax.nnx_scan import StepContext
 from qsdp_jax.nnx_tree import ModelDef, describe, group_params, model_state, set_model_state, set_params  # noqa: F401
+from qsdp_jax.nnx_tree import in_mode, mode_differences, state_mismatches
 from qsdp_jax.hierarchy import mesh_sizes
 
 PyTree = Any
@@ -63,38 +71,111 @@ def init_state(
 ) -> train.TrainState:
     """The sharded :class:`qsdp_jax.TrainState` of ``model``'s parameters and model state.
 
-    ``stacked`` names the layer-stack groups when the automatic rule (``qsdp_jax.nnx_tree``)
-    guesses wrong; pass the same to :func:`make_train_step`.
+    The state holds copies: a donating step never deletes an array of ``model`` (or of a
+    clone of it), and the module keeps these weights until :func:`update` writes new ones.
+
+    Args:
+      model: the module (its ``nnx.Param`` variables are trained).
+      optimizer: as for ``qsdp_jax.init_train_state``.
+      mesh: the mesh the steps run on.
+      config: the run's config.
+      stacked: the layer-stack groups, where the automatic rule (``qsdp_jax.nnx_tree``)
+        guesses wrong; pass the same to :func:`make_train_step`.
+
+    Raises:
+      TypeError: an ``nnx.Param`` that is not floating point.
+      ValueError: an ``nnx.Param`` holding NaN or Inf, or a module without ``nnx.Param``.
     """
+    if isinstance(stacked, str):
+        guards.check_params({}, stacked)
     mdef = describe(model, stacked)
-    state = train.init_train_state(group_params(model, mdef), optimizer, mesh, config, stacked=mdef.stacked)
-    replicated = NamedSharding(mesh, P())
-    values = jax.device_put(model_state(model, mdef), replicated)
-    return dataclasses.replace(state, model_state=values)
+    params = group_params(model, mdef)
+    guards.check_params(params, mdef.stacked, label=_param_label, int_hint=_INT_HINT)
+    state = train.init_train_state(params, optimizer, mesh, config, stacked=mdef.stacked)
+    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=NamedSharding(mesh, P()))
+    return dataclasses.replace(state, model_state=copy(model_state(model, mdef)))
+
+
+_INT_HINT = ("hold integer or boolean arrays in an nnx.Variable that is not an nnx.Param "
+             "(model state, carried by the step), or outside the module")
+
+
+def _param_label(path) -> str:
+    """``nnx.Param blocks/0/kernel``: a leaf of the groups dict by its module path."""
+    return "nnx.Param " + "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def _state_label(path) -> str:
+    """A leaf of a TrainState named as the NNX user knows it."""
+    field, rest = path[0].name, path[1:]
+    if field == "params":
+        return f"state's {_param_label(rest)}"
+    if field == "model_state":
+        return f"state's model state {rest[0].key}"
+    if field == "opt_state":
+        return f"state's optimizer state {jax.tree_util.keystr(rest)}"
+    return f"state's {field}"
+
+
+def _check_fits(mdef: ModelDef, state: train.TrainState) -> None:
+    """A clear error for a state (from init_state) of another model than ``mdef``'s."""
+    if not isinstance(state, train.TrainState):
+        raise TypeError(f"expected the TrainState from qsdp_jax.nnx.init_state, got {type(state).__name__}")
+    have = tuple(g.name for g in state.layout.groups)
+    want = tuple(g.name for g in mdef.groups)
+    stacked = tuple(g.name for g in state.layout.groups if g.stacked)
+    if have != want or stacked != mdef.stacked:
+        raise ValueError(
+            f"the state's groups {have} (stacked {stacked}) are not this model's {want} "
+            f"(stacked {mdef.stacked}): make the state with qsdp_jax.nnx.init_state from "
+            "the same model, with the same stacked="
+        )
+    bad = state_mismatches(mdef, state.params, state.model_state)
+    if bad:
+        more = f"; and {len(bad) - 4} more" if len(bad) > 4 else ""
+        raise ValueError(
+            f"the state does not fit this module (was it made from another model?): "
+            f"{'; '.join(bad[:4])}{more}. Make the state with qsdp_jax.nnx.init_state from this module"
+        )
 
 
 def update(model: nnx.Module, state: train.TrainState) -> None:
-    """Write the state's weights (the optimizer's values) and model state into ``model``."""
+    """Write the state's weights (the optimizer's values) and model state into ``model``.
+
+    The module receives copies: the next (donating) step leaves it intact, and it keeps these
+    values until the next ``update``.
+
+    Raises:
+      ValueError: the state does not fit the module (another model's: paths and shapes named).
+      RuntimeError: the state was donated to a step call.
+    """
     mdef = describe(model, [g.name for g in state.layout.groups if g.stacked])
+    guards.check_not_donated(state, _state_label)
+    _check_fits(mdef, state)
     set_params(model, mdef, train.gather_params(state))
     if state.model_state is not None:
-        set_model_state(model, mdef, state.model_state)
+        set_model_state(model, mdef, jax.tree.map(jnp.copy, state.model_state))
 
 
 class TrainStep:
     """A jitted ``step(state, batch) -> (state, metrics[, aux])`` for an NNX model.
 
-    Also ``lower(state, batch)`` (for ``qsdp_jax.comm.comm_report``) and ``summary(state,
-    batch)``: how each group is gathered and the memory a whole-stack gather costs.
+    Calling it checks the state first (not donated to an earlier call, on the step's mesh, of
+    this module). Also ``lower(state, batch)`` (for ``qsdp_jax.comm.comm_report``) and
+    ``summary(state, batch)``: how each group is gathered and the memory a whole-stack gather
+    costs.
     """
 
     def __init__(self, model, loss_fn, optimizer, mesh, config, *, has_aux, aux_out_spec, donate,
-                 stacked, evaluate=False):
+                 stacked, mode, evaluate=False):
         if not isinstance(config, QSDPConfig):
             raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
-        self.mdef: ModelDef = describe(model, stacked)
+        graph = in_mode(model, mode)  # the module runs from this copy's graph, in the step's mode
+        if mode == "train":
+            _warn_mode(mode_differences(model, graph))
+        self.mdef: ModelDef = describe(graph, stacked)
         self.n = mesh_sizes(mesh, config)[1]  # every device: the batch is split over all
         self.loss_fn, self.optimizer, self.mesh, self.config = loss_fn, optimizer, mesh, config
         self.has_aux, self.aux_out_spec, self.evaluate = has_aux, aux_out_spec, evaluate
@@ -102,6 +183,9 @@ class TrainStep:
         self._jitted = jax.jit(self._step, donate_argnums=(0,) if donate and not evaluate else ())
 
     def __call__(self, state: train.TrainState, batch: PyTree):
+        if isinstance(state, train.TrainState):
+            guards.check_not_donated(state, _state_label)
+            guards.check_mesh(state, self.mesh, _state_label)
         return self._jitted(state, batch)
 
     def lower(self, state, batch):
@@ -119,7 +203,7 @@ class TrainStep:
         return loss, {"aux": aux, "state": ctx.read_state(module, extra["state"])}
 
     def _step(self, state: train.TrainState, batch):
-        self._check_layout(state)
+        _check_fits(self.mdef, state)  # at trace time: a state of other shapes is a new trace
         self.record.clear()  # filled while this trace runs the loss
         # one copy per example (as many as the batch's leading size, a multiple of the devices):
         # the step checks that every batch leaf holds the same number of examples
@@ -138,19 +222,6 @@ class TrainStep:
         new = dataclasses.replace(new, model_state=aux["state"])
         self._warn_whole()
         return (new, metrics, aux["aux"]) if self.has_aux else (new, metrics)
-
-    def _check_layout(self, state):
-        if not isinstance(state, train.TrainState):
-            raise TypeError(f"expected the TrainState from qsdp_jax.nnx.init_state, got {type(state).__name__}")
-        have = tuple(g.name for g in state.layout.groups)
-        want = tuple(g.name for g in self.mdef.groups)
-        stacked = tuple(g.name for g in state.layout.groups if g.stacked)
-        if have != want or stacked != self.mdef.stacked:
-            raise ValueError(
-                f"the state's groups {have} (stacked {stacked}) are not this model's {want} "
-                f"(stacked {self.mdef.stacked}): make the state with qsdp_jax.nnx.init_state from "
-                "the same model, with the same stacked="
-            )
 
     # --- what the step gathers ---------------------------------------------------------------
     def _warn_whole(self):
@@ -187,6 +258,17 @@ class TrainStep:
         return "\n".join(rows)
 
 
+def _warn_mode(differences: list[str]) -> None:
+    if differences:
+        more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""
+        warnings.warn(
+            f"the module is in eval mode ({', '.join(differences[:3])}{more}) but this train step "
+            "runs it in training mode, as model.train() sets it (dropout on, batch statistics "
+            "updated); pass mode=None to train the module with its attributes as they are now",
+            stacklevel=4,
+        )
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.3f} MiB"
 
@@ -220,15 +302,36 @@ def make_train_step(
     aux_out_spec: Any = None,
     donate: bool = True,
     stacked: Sequence[str] | None = None,
+    mode: str | None = "train",
 ) -> TrainStep:
     """The sharded train step of ``loss_fn(model, batch)`` (see the module docstring).
 
-    The step runs the module as it is now (train/eval mode, structure); only its values come
-    from the state. Metrics as ``qsdp_jax.make_train_step``; ``aux`` (with ``has_aux``) is
-    concatenated over the devices on its leading axis unless ``aux_out_spec`` says otherwise.
+    The step runs the module's structure as it is now, in training mode; its values come from
+    the state. It never touches ``model``: toggling its mode later changes no step.
+
+    Args:
+      model: the module (read for its structure; none of its arrays is used or donated).
+      loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``): the
+        mean loss over the local batch.
+      optimizer: the optimizer the state was made with.
+      mesh: the state's mesh.
+      config: the run's config.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` is concatenated over the devices on
+        its leading axis unless ``aux_out_spec`` says otherwise.
+      aux_out_spec: out_specs for ``aux`` (as ``qsdp_jax.make_train_step``).
+      donate: donate the input state's buffers to the output (a donated state used again is a
+        ``RuntimeError``).
+      stacked: as for :func:`init_state`.
+      mode: ``"train"`` (as ``model.train()`` sets it: dropout on, batch statistics updated;
+        a module in eval mode is warned about), ``"eval"``, or ``None``: the module's
+        ``deterministic`` / ``use_running_average`` attributes as they are now (e.g. frozen
+        batch statistics).
+
+    Returns:
+      The :class:`TrainStep`; metrics as ``qsdp_jax.make_train_step``.
     """
     return TrainStep(model, loss_fn, optimizer, mesh, config, has_aux=has_aux,
-                     aux_out_spec=aux_out_spec, donate=donate, stacked=stacked)
+                     aux_out_spec=aux_out_spec, donate=donate, stacked=stacked, mode=mode)
 
 
 def make_eval_step(
@@ -238,8 +341,22 @@ def make_eval_step(
     config: QSDPConfig,
     *,
     stacked: Sequence[str] | None = None,
+    mode: str | None = "eval",
 ) -> TrainStep:
     """A jitted ``eval(state, batch) -> mean loss`` with the training gathers; the model state
-    is read, not updated (put the module in eval mode first, e.g. ``model.eval()``)."""
+    is read, not updated.
+
+    The module runs in eval mode (as ``model.eval()`` sets it) whatever mode it is in now. No
+    warning for a module in training mode: a new module is in it, and building the eval step
+    next to the train step is the usual way.
+
+    Args:
+      model: the module (read for its structure only).
+      loss_fn: ``loss_fn(model, batch) -> loss`` (no aux).
+      mesh: the state's mesh.
+      config: the run's config.
+      stacked: as for :func:`init_state`.
+      mode: ``"eval"``, ``"train"`` or ``None`` (as for :func:`make_train_step`).
+    """
     return TrainStep(model, loss_fn, None, mesh, config, has_aux=False, aux_out_spec=None,
-                     donate=False, stacked=stacked, evaluate=True)
+                     donate=False, stacked=stacked, mode=mode, evaluate=True)

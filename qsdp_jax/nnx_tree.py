@@ -15,6 +15,9 @@ its non-parameter state.
 * **Model state**: every variable that is not an ``nnx.Param``, as a flat dict
   ``{"a/b/c": array}``: batch statistics and counters (updated by the step), RNG keys (kept as
   raw key data, so the state holds plain arrays) and RNG counts.
+* **Checks**: :func:`state_mismatches` compares a train state with the module, variable by
+  variable (path, shape, dtype); :func:`in_mode` / :func:`mode_differences` give the module in
+  a step's train/eval mode (a clone: the module is left as it is) and what that mode changes.
 """
 
 from __future__ import annotations
@@ -255,3 +258,76 @@ def set_model_state(model: nnx.Module, mdef: ModelDef, values: dict[str, jax.Arr
             value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(var.get_raw_value()))
         var.set_value(value)
     nnx.update(model, state)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks: a train state against the module, the module's train/eval mode
+# ----------------------------------------------------------------------------------------------
+def state_mismatches(mdef: ModelDef, params: dict, values: dict | None) -> list[str]:
+    """What in a train state's ``params`` (``{group: tree}``) and model state ``values`` does
+    not fit the module of ``mdef``: missing or extra variables, other shapes or dtypes, as
+    messages naming each variable by its module path. Works on tracers and abstract values."""
+    have = {}
+    for g in mdef.groups:
+        for p, x in jax.tree_util.tree_flatten_with_path(params.get(g.name, {}))[0]:
+            have["/".join([g.name] + [str(getattr(k, "key", k)) for k in p])] = (tuple(x.shape), x.dtype)
+    want = {path_str(s.path): (s.shape, s.dtype) for s in mdef.params}
+    out = _compare("nnx.Param", have, want)
+    values = values or {}
+    have = {k: (tuple(jnp.shape(x)), None) for k, x in values.items()}
+    want = {path_str(s.path): (s.shape, None) for s in mdef.others}
+    for s in mdef.others:  # RNG keys are held as key data: their shape is the impl's
+        if s.key_impl is not None and path_str(s.path) in have:
+            have[path_str(s.path)] = want[path_str(s.path)]
+    return out + _compare("model state", have, want)
+
+
+def _compare(kind: str, have: dict, want: dict) -> list[str]:
+    """Messages for ``{path: (shape, dtype or None)}`` of the state against the module's."""
+    out = [f"{kind} {k} of the module is not in the state" for k in sorted(set(want) - set(have))]
+    out += [f"the state's {k} is no {kind} of the module" for k in sorted(set(have) - set(want))]
+    for k in sorted(set(have) & set(want)):
+        if _show(have[k]) != _show(want[k]):
+            out.append(f"{kind} {k} is {_show(have[k])} in the state but {_show(want[k])} in the module")
+    return out
+
+
+def _show(shape_dtype) -> str:
+    shape, dtype = shape_dtype
+    return str(tuple(shape)) if dtype is None else f"{tuple(shape)} {jnp.dtype(dtype)}"
+
+
+MODES = ("train", "eval", None)
+_MODE_ATTRS = ("deterministic", "use_running_average")  # what Module.train() / eval() set
+
+
+def in_mode(model: nnx.Module, mode: str | None) -> nnx.Module:
+    """``model`` in ``mode``: for ``"train"`` / ``"eval"`` a clone (sharing the module's arrays)
+    set as ``Module.train()`` / ``Module.eval()`` set it, the module itself untouched; for
+    ``None`` the module as it is."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'train', 'eval' or None (the module's attributes as they are), got {mode!r}")
+    if mode is None:
+        return model
+    graph = nnx.clone(model)
+    # flax's own (not an override the module may define under the same name)
+    nnx.Module.train(graph) if mode == "train" else nnx.Module.eval(graph)
+    return graph
+
+
+def mode_differences(model: nnx.Module, graph: nnx.Module) -> list[str]:
+    """``"path attr=value"`` of the train/eval attributes (``deterministic``,
+    ``use_running_average``) set to a boolean in ``model`` that ``graph`` sets otherwise."""
+    mine = dict(_mode_attributes(model))
+    out = []
+    for key, value in _mode_attributes(graph):
+        if isinstance(mine.get(key), bool) and mine[key] != value:
+            out.append(f"{key[0] or '(the module)'} {key[1]}={mine[key]}")
+    return out
+
+
+def _mode_attributes(model):
+    for path, m in nnx.iter_modules(model):
+        for attr in _MODE_ATTRS:
+            if hasattr(m, attr):
+                yield (path_str(path), attr), getattr(m, attr)
