@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: demo test venv clean bench convergence
+.PHONY: demo test lint venv clean bench convergence
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 # The whole suite on 8 simulated CPU devices (tests/conftest.py sets them up).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# ruff's bug-finding rules (pyproject.toml's [tool.ruff] says which, and why no `ruff format`).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # Benchmarks (write JSON under experiments/results/).
 bench: $(STAMP)

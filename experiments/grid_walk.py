@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     result = {f"{m}/{s}": walk(m, s, a.bits, a.bucket, a.steps, a.lr) for m, s in MODES}
     print(f"W{a.bits}, buckets of {a.bucket}, lr {a.lr:g}: range ratio / RMS distance vs the exact walk")
     steps = sorted(next(iter(result.values())))
-    print(f"| mode/stats | " + " | ".join(f"step {t}" for t in steps) + " |")
+    print("| mode/stats | " + " | ".join(f"step {t}" for t in steps) + " |")
     print("|---|" + "---|" * len(steps))
     for name, r in result.items():
         print(f"| {name} | " + " | ".join(f"{r[t][0]:.2f} / {r[t][1]:.2f}" for t in steps) + " |")

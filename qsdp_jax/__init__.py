@@ -3,7 +3,14 @@
 The public API; see README.md for a walk-through and ``docs/design.md`` for the invariants.
 """
 
+# The one place the version is written: pyproject.toml reads it (``[tool.setuptools.dynamic]``),
+# and so do checkpoints (``library_version`` in their record).
+__version__ = "0.1.0"
+
 from qsdp_jax import optim  # noqa: F401  (``qsdp_jax.optim.qsdp``)
+from qsdp_jax import checkpoint  # noqa: F401  (``qsdp_jax.checkpoint.Checkpointer``)
+from qsdp_jax import collectives  # noqa: F401  (``qsdp_jax.collectives``: the quantized collectives)
+from qsdp_jax import comm  # noqa: F401  (``qsdp_jax.comm.comm_report``: bytes per collective)
 from qsdp_jax import distributed  # noqa: F401  (``qsdp_jax.distributed.initialize``)
 from qsdp_jax import kernels  # noqa: F401  (``qsdp_jax.kernels``: Pallas hot path)
 from qsdp_jax import nnx  # noqa: F401  (the Flax NNX front door: ``qsdp_jax.nnx.init_state``)
@@ -54,6 +61,9 @@ __all__ = [
     "TwoLevelSpec",
     "abstract_train_state",
     "all_gather_fp",
+    "checkpoint",
+    "collectives",
+    "comm",
     "cross_group_all_reduce",
     "dequantize",
     "distributed",
@@ -76,4 +86,3 @@ __all__ = [
     "two_level_reduce_scatter",
     "unpack_bits",
 ]
-__version__ = "0.1.0"

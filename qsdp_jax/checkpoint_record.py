@@ -4,7 +4,6 @@ that refuses a checkpoint made for another config, model or run (naming the fiel
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 
 from jax.sharding import Mesh
@@ -20,10 +19,11 @@ class CheckpointMismatch(ValueError):
 
 
 def library_version() -> str:
-    try:
-        return importlib.metadata.version("qsdp_jax")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - source checkout
-        return "unknown"
+    """``qsdp_jax.__version__``, the one place the version is written (pyproject.toml reads it
+    too); a source checkout that was never installed knows it as well."""
+    from qsdp_jax import __version__  # at call time: qsdp_jax imports this module
+
+    return __version__
 
 
 FORMAT_NAMES = {1: "flat per-layer buffers (qsdp_jax before the per-parameter layout)"}

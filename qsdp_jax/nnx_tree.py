@@ -130,8 +130,7 @@ def describe(model: nnx.Module, stacked: Sequence[str] | None = None) -> ModelDe
             raise ValueError(f"stacked groups {unknown} are not groups of the module (groups: {sorted(names)})")
     groups, layer_defs = [], {}
     for name, prefix in sorted(names.items()):
-        inside = lambda specs: [s for s in specs if s.path[: len(prefix)] == prefix]  # noqa: E731
-        p_in, o_in = inside(pspecs), inside(ospecs)
+        p_in, o_in = _under(pspecs, prefix), _under(ospecs, prefix)
         n = _layer_count(p_in, o_in, _declared_evidence(_submodule(model, prefix)))
         is_stacked = (n is not None) if stacked is None else name in stacked
         if is_stacked and n is None:
@@ -192,6 +191,11 @@ def _submodule(model, path: Path):
     for k in path:
         node = node[k] if isinstance(node, (nnx.List, nnx.Dict, list, tuple, dict)) else getattr(node, str(k))
     return node
+
+
+def _under(specs: Sequence[VarSpec], prefix: Path) -> list[VarSpec]:
+    """The specs whose path starts with ``prefix``."""
+    return [s for s in specs if s.path[: len(prefix)] == prefix]
 
 
 def submodule(model, path: Path):

@@ -289,7 +289,7 @@ def test_workload_optimizer_clips_by_the_global_norm():
     for i in range(3):
         b = toymodel.batch(i)
         state, _ = step(state, b)
-        g = jax.grad(lambda p: loss(q.LocalParams(p), b))(params)
+        g = jax.grad(lambda p: loss(q.LocalParams(p), b))(params)  # noqa: B023  (run in this iteration)
         assert float(optax.tree.norm(g)) > 1.0
         u, ref_state = ref_opt.update(g, ref_state, params)
         params = optax.apply_updates(params, u)

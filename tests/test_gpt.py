@@ -235,7 +235,7 @@ def _unrolled_logits(model, params, inputs):
     """Reference forward: apply each layer's Block in a Python loop (no scan)."""
     x = model.embedding(params["embed"])(inputs)
     for i in range(model.cfg.n_layers):
-        layer = jax.tree.map(lambda a: a[i], params["blocks"])
+        layer = jax.tree.map(lambda a: a[i], params["blocks"])  # noqa: B023  (run in this iteration)
         x = model.block(layer)(x)
     head = model.head(params["head"])
     h = head.ln_f(x)
@@ -307,7 +307,7 @@ def test_grad_remat_equals_no_remat(tie):
     @jax.jit
     def grads(p):
         return tuple(
-            jax.grad(lambda p: model.loss(LocalParams(p), batch, remat=remat))(p)
+            jax.grad(lambda p: model.loss(LocalParams(p), batch, remat=remat))(p)  # noqa: B023  (run in this iteration)
             for remat in (True, False)
         )
 

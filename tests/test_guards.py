@@ -168,7 +168,7 @@ def test_clip_by_global_norm_is_global(mesh):
     for i in range(3):
         b = toymodel.batch(i)
         state, _ = step(state, b)
-        g = jax.grad(lambda p: toymodel.loss(q.LocalParams(p), b))(params)
+        g = jax.grad(lambda p: toymodel.loss(q.LocalParams(p), b))(params)  # noqa: B023  (run in this iteration)
         u, ref_state = ref_opt.update(g, ref_state, params)
         params = optax.apply_updates(params, u)
     for a, b in zip(jax.tree.leaves(q.gather_params(state)), jax.tree.leaves(params)):

@@ -85,9 +85,10 @@ def test_optimizer_projection_with_kernels_on_leaves_of_odd_length():
     for mode in ("reference", "interpret"):
         cfg = q.QSDPConfig.qsdp(4, 8, bucket_size=128, min_shard_size=100, kernels=mode)
         opt = optim.qsdp(optax.sgd(0.1), cfg)
-        p, st = jax.jit(lambda p: optim.init_on_grid(p, opt, cfg))(params)
+        p, st = jax.jit(lambda p: optim.init_on_grid(p, opt, cfg))(params)  # noqa: B023  (run in this iteration)
         u, st = jax.jit(opt.update)(grads, st, p)
-        out[mode] = (jax.jit(lambda p, u, st: optim.apply_updates(p, u, st, cfg))(p, u, st), st.scales, st.offsets)
+        step = jax.jit(lambda p, u, st: optim.apply_updates(p, u, st, cfg))  # noqa: B023  (run in this iteration)
+        out[mode] = (step(p, u, st), st.scales, st.offsets)
     chex.assert_trees_all_equal(out["interpret"], out["reference"])
 
 
@@ -243,14 +244,20 @@ def _on_device(target):
     rng = np.random.default_rng(0)
     for bits, rounding, bucket in [(8, "stochastic", 1024), (4, "shift", 256), (3, "nearest", 64), (1, "stochastic", 4096)]:
         x = jnp.asarray(rng.normal(size=(4, 5 * bucket)).astype(np.float32))
-        key = qz.derive_key(2, bits)
-        packed, scales, offsets, values = _ref_quantize(x, key, bits=bits, bucket=bucket, rounding=rounding)
-        got = jax.jit(lambda v: qk.quantize_pack(v, bits, bucket, rounding, key, target=target))(x)
-        chex.assert_trees_all_equal(got, (packed, scales, offsets))
-        deq = jax.jit(lambda p, s, o: qk.unpack_dequantize(p, s, o, bits, bucket, x.shape[-1], target=target))
-        chex.assert_trees_all_equal(deq(packed, scales, offsets), values)
-        total = jax.jit(lambda p, s, o: qk.unpack_dequantize_sum(p, s, o, bits, bucket, x.shape[-1], target=target))
-        chex.assert_trees_all_equal(total(packed, scales, offsets), jax.jit(qc.sum_rows)(values))
+        _on_device_case(target, x, bits, rounding, bucket)
+
+
+def _on_device_case(target, x, bits, rounding, bucket):
+    """One (bits, rounding, bucket) of :func:`_on_device` (its own function, so the jitted
+    lambdas close over these arguments rather than the loop's variables)."""
+    key = qz.derive_key(2, bits)
+    packed, scales, offsets, values = _ref_quantize(x, key, bits=bits, bucket=bucket, rounding=rounding)
+    got = jax.jit(lambda v: qk.quantize_pack(v, bits, bucket, rounding, key, target=target))(x)
+    chex.assert_trees_all_equal(got, (packed, scales, offsets))
+    deq = jax.jit(lambda p, s, o: qk.unpack_dequantize(p, s, o, bits, bucket, x.shape[-1], target=target))
+    chex.assert_trees_all_equal(deq(packed, scales, offsets), values)
+    total = jax.jit(lambda p, s, o: qk.unpack_dequantize_sum(p, s, o, bits, bucket, x.shape[-1], target=target))
+    chex.assert_trees_all_equal(total(packed, scales, offsets), jax.jit(qc.sum_rows)(values))
 
 
 @pytest.mark.gpu

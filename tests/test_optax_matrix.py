@@ -23,7 +23,7 @@ SMALL = dict(bucket_size=64, min_shard_size=128)
 
 
 def _by_group(labels):
-    return lambda params: {g: jax.tree.map(lambda _: labels[g], sub) for g, sub in params.items()}
+    return lambda params: {g: jax.tree.map(lambda _, label=labels[g]: label, sub) for g, sub in params.items()}
 
 
 OPTIMIZERS = {
@@ -65,7 +65,7 @@ def _reference(make_opt):
     state = opt.init(params)
     for i in range(STEPS):
         batch = toymodel.batch(i)
-        grads = jax.grad(lambda p: toymodel.loss(q.LocalParams(p), batch))(params)
+        grads = jax.grad(lambda p: toymodel.loss(q.LocalParams(p), batch))(params)  # noqa: B023  (run in this iteration)
         updates, state = opt.update(grads, state, params)
         params = optax.apply_updates(params, updates)
     return params

@@ -40,7 +40,7 @@ def test_off_means_off(mesh):
     for i in range(4):
         b = toymodel.batch(i)
         state, metrics = step(state, b)
-        ref_loss, g = jax.value_and_grad(lambda p: toymodel.loss(q.LocalParams(p), b))(params)
+        ref_loss, g = jax.value_and_grad(lambda p: toymodel.loss(q.LocalParams(p), b))(params)  # noqa: B023  (run in this iteration)
         u, ref_state = ref_opt.update(g, ref_state, params)
         params = optax.apply_updates(params, u)
         np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-5)
