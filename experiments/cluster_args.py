@@ -7,6 +7,8 @@
     --inter-weight-bits / --inter-grad-bits   bits on the outer (inter-node / cross-group) level
     --coordinator HOST:PORT --num-processes N --process-id I   (or QSDP_* variables; SLURM and
                                  TPU pods are detected by JAX itself)
+    --init-timeout S --peer-timeout S   bounds on the processes meeting at start, and on noticing
+                                 a lost process during the run (qsdp_jax.peers)
 
 Errors are ``ValueError`` with a message naming the flag; the CLI turns them into usage errors.
 This module imports no jax at the top (the device flags must be set before jax starts).
@@ -15,6 +17,8 @@ This module imports no jax at the top (the device flags must be set before jax s
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from pathlib import Path
 
 OUTER_AXES = {"node": "node_axis", "replica": "replica_axis"}
@@ -22,7 +26,7 @@ OUTER_AXES = {"node": "node_axis", "replica": "replica_axis"}
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     """Add the mesh / per-level bits / distributed flags to ``p``."""
-    from experiments.train_args import _bits, _positive  # the CLI's own value parsers
+    from experiments.train_args import _bits, _nonnegative, _positive, _positive_float
 
     g = p.add_argument_group("mesh / cluster")
     g.add_argument("--mesh", default="fsdp", metavar="SPEC",
@@ -38,10 +42,17 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    "needed under SLURM srun or on a TPU pod)")
     g.add_argument("--num-processes", type=_positive, default=None,
                    help="number of processes (or QSDP_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=int, default=None,
+    g.add_argument("--process-id", type=_nonnegative, default=None,
                    help="this process's id, 0..N-1 (or QSDP_PROCESS_ID)")
     g.add_argument("--process-logs", type=Path, default=None, metavar="DIR",
                    help="every process logs to DIR/process_<i>.log")
+    g.add_argument("--init-timeout", type=_positive, default=None, metavar="S",
+                   help="seconds the processes wait for each other at start, then each says "
+                   "what is wrong and exits with status 69 (or QSDP_INIT_TIMEOUT_S; default 60)")
+    g.add_argument("--peer-timeout", type=_positive_float, default=10.0, metavar="S",
+                   help="a process that dies or exits early ends the others at once, one that "
+                   "sends no heartbeat for S seconds (frozen, network down) after S: each says "
+                   "which process and exits with status 75 (default: 10)")
 
 
 def parse_mesh(spec: str) -> tuple[tuple[str, int | None], ...]:
@@ -112,8 +123,12 @@ def start_distributed(args: argparse.Namespace):
     """Start ``jax.distributed`` from the flags and the environment (no-op for one process)."""
     from qsdp_jax import distributed
 
+    heartbeat = None  # JAX's own heartbeat timeout: above --peer-timeout, so that ours comes first
+    if not os.environ.get(distributed.ENV_HEARTBEAT):
+        heartbeat = max(10, math.ceil(args.peer_timeout) + 10)
     info = distributed.initialize(coordinator=args.coordinator, num_processes=args.num_processes,
-                                  process_id=args.process_id)
+                                  process_id=args.process_id, init_timeout_s=args.init_timeout,
+                                  heartbeat_timeout_s=heartbeat)
     if args.process_logs is not None:
         distributed.enable_process_log(args.process_logs)
     return info

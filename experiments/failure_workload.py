@@ -61,7 +61,7 @@ def train(out: Path, steps: int, every: int, bound: float, save_timeout: float, 
 
     import qsdp_jax as q
     from qsdp_jax import optim
-    from qsdp_jax.watchdog import StepWatchdog
+    from qsdp_jax.watchdog import StepWatchdog, save_or_explain
 
     config = q.QSDPConfig.qsdp(8, 8, bucket_size=64, min_shard_size=256)
     mesh = q.make_mesh()

@@ -5,7 +5,9 @@ trainer's checkpoints (qsdp_jax.Checkpointer).
   sees the old file or the new one, never half of one.
 * :class:`MetricsLog`: ``metrics.jsonl`` streamed one line per step; a resumed run cuts the rows
   after its checkpoint (they will be redone) and a torn last line, then appends, so the file
-  holds every step once, in order.
+  holds every step once, in order. Every line is strict JSON: a NaN or infinite number (a
+  diverged loss) is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``
+  (:func:`dumps_strict`) and read back as the float.
 * :class:`StopSignals`: SIGTERM / SIGINT set a flag; the training loop stops after the current
   step and saves.
 * :class:`RunCheckpoints`: saves every N steps (asynchronously), keeps the last K, restores the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import tempfile
@@ -39,6 +42,31 @@ def write_atomic(path, data: str | bytes) -> None:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
+
+
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _finite_or_name(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite_or_name(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_name(v) for v in value]
+    return value
+
+
+def dumps_strict(obj, **kwargs) -> str:
+    """``json.dumps`` that writes strict JSON: a NaN / infinite float becomes the string
+    ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"`` (bare ``NaN`` is not JSON)."""
+    return json.dumps(_finite_or_name(obj), allow_nan=False, **kwargs)
+
+
+def _read_row(row: dict) -> dict:
+    """A row as :func:`dumps_strict` wrote it, with ``"NaN"``/``"Infinity"``/``"-Infinity"``
+    back as floats."""
+    return {k: NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in row.items()}
 
 
 def is_process_0() -> bool:
@@ -75,7 +103,7 @@ class MetricsLog:
             lines = self.path.read_text().splitlines()
             for i, line in enumerate(lines):
                 try:
-                    row = json.loads(line)
+                    row = _read_row(json.loads(line))
                 except json.JSONDecodeError:
                     if i == len(lines) - 1:  # torn last line
                         break
@@ -95,10 +123,10 @@ class MetricsLog:
             self.rows.append(row)
             return
         if self._f is None:
-            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in [*self.rows, row]))
+            write_atomic(self.path, "".join(dumps_strict(r) + "\n" for r in [*self.rows, row]))
             self._f = open(self.path, "a")
         else:
-            self._f.write(json.dumps(row) + "\n")
+            self._f.write(dumps_strict(row) + "\n")
             self._f.flush()
 
     def close(self) -> None:
@@ -265,7 +293,7 @@ def train_loop(trainer, out: Path, start: int, progress, ckpts: RunCheckpoints |
 
     log = MetricsLog(out / "metrics.jsonl", start, write=write_metrics)  # process 0 writes
     history = [StepLog(**r) for r in log.rows]
-    dog = _watchdog(trainer, ckpts, failure_timeout) if failure_timeout else None
+    dog = _watchdog(trainer, ckpts, failure_timeout) if failure_timeout is not None else None
     with StopSignals() as stop, (dog or contextlib.nullcontext()):
         try:
             steps = trainer.steps()
@@ -307,6 +335,9 @@ def train_loop(trainer, out: Path, start: int, progress, ckpts: RunCheckpoints |
                     shutil.rmtree(ckpts.replaced, ignore_errors=True)
                 ckpts.replaced = None
             ckpts.close()
+    from experiments.train_setup import finish_peers
+
+    finish_peers()  # the collectives are over: this process may exit before the others
     if stop.received:
         step = int(trainer.state.step)
         where = (f"saved checkpoint {ckpts.directory}/{step}; continue with --resume" if ckpts is not None

@@ -7,6 +7,7 @@ Imports nothing that uses jax (the number of simulated devices is set before jax
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -66,6 +67,44 @@ def _positive(text: str) -> int:
     return v
 
 
+def _nonnegative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _seed(text: str) -> int:
+    v = _nonnegative(text)
+    if v >= 2**32:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    """A finite number > 0 (``nan``, ``inf``, 0 and negative numbers are refused)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return v
+
+
+def _seconds(text: str) -> float:
+    """``--failure-timeout``: a finite number of seconds > 0 (leave the flag out for no bound)."""
+    try:
+        return _positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds > 0, got {text!r} (leave the flag out to turn the "
+            "watchdog off)") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m experiments.train_gpt",
@@ -95,12 +134,12 @@ def _add_model_training_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--steps", type=_positive, default=300, help="training steps (default: 300)")
     t.add_argument("--batch", type=_positive, default=16,
                    help="global batch size in sequences, a multiple of --devices (default: 16)")
-    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    t.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default: 3e-3)")
     t.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
                    help="learning-rate schedule after warmup (default: cosine)")
-    t.add_argument("--warmup", type=int, default=None,
+    t.add_argument("--warmup", type=_nonnegative, default=None,
                    help="linear warmup steps (default: 30, or steps // 10 if that is smaller)")
-    t.add_argument("--seed", type=int, default=0,
+    t.add_argument("--seed", type=_seed, default=0,
                    help="seed of the initial weights, data order and quantization noise (default: 0)")
     t.add_argument("--eval-every", type=_positive, default=None,
                    help="validate every N steps and at the end (default: steps // 5)")
@@ -118,7 +157,7 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
                     help="bits per gradient on the reduce-scatter (default: 8)")
     qz.add_argument("--bucket-size", type=_positive, default=1024,
                     help="elements per quantization bucket, a multiple of 8 (default: 1024)")
-    qz.add_argument("--min-shard-size", type=int, default=4096,
+    qz.add_argument("--min-shard-size", type=_nonnegative, default=4096,
                     help="leaves smaller than this stay replicated in full precision (default: 4096)")
     qz.add_argument("--weight-mode", choices=("qsdp", "comm", "full"), default=None,
                     help="qsdp: weights kept on a shifted grid (default); comm: quantized only "
@@ -172,10 +211,10 @@ def _add_output_checkpoint_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint (start fresh when there is none); "
                    "metrics continue the same metrics.jsonl")
-    c.add_argument("--failure-timeout", type=float, default=None, metavar="S",
+    c.add_argument("--failure-timeout", type=_seconds, default=None, metavar="S",
                    help="exit (status 75, after trying to save) when no step finishes for S seconds "
-                   "or a collective fails, e.g. a peer process died (default: off; 60 is a good bound "
-                   "for multi-process runs)")
+                   "or a collective fails, e.g. a peer process died (default: off; S > 0; 60 is a good "
+                   "bound for multi-process runs)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

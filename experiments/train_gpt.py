@@ -23,12 +23,11 @@ imports nothing that uses jax at the top: :func:`run_cli` sets ``XLA_FLAGS`` fir
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 
 from experiments.devices import describe_devices
-from experiments.run_files import Stopped, open_checkpoints, resume_step, train_loop, write_atomic
+from experiments.run_files import Stopped, dumps_strict, open_checkpoints, resume_step, train_loop, write_atomic
 from experiments.train_args import (  # noqa: F401  (re-exported: the CLI's names live here)
     ARTIFACTS,
     PRESETS,
@@ -100,7 +99,7 @@ def _fp32_bytes(args, cfg, trainer, report):
 
 def _write_results(args, cfg, out, summary, history, report, trainer, print_summary) -> None:
     """Process 0's ``summary.json``, ``loss.png`` and printed summary."""
-    write_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    write_atomic(out / "summary.json", dumps_strict(summary, indent=1) + "\n")
     model = trainer.model.cfg
     plot_loss(history, out / "loss.png",
               f"{cfg.name}: GPT d{model.d_model} L{model.n_layers} on {summary['devices']}")
@@ -126,7 +125,7 @@ def run_cli(args, *, print_summary: bool = True):
     start = resume_step(ckpts, trainer, args) if ckpts is not None else 0
     if main:
         config = _run_config(args, devices, cfg, run, trainer)
-        write_atomic(out / "config.json", json.dumps(config, indent=1) + "\n")
+        write_atomic(out / "config.json", dumps_strict(config, indent=1) + "\n")
 
     t_compile = time.perf_counter()
     report = trainer.wire_report()  # compiles the step (the first step then reuses it)

@@ -52,6 +52,10 @@ def setup_devices(args: argparse.Namespace):
         start_distributed(args)
     except ValueError as e:
         raise CLIError(str(e)) from None
+    from qsdp_jax import distributed
+
+    if args.devices is None and distributed.num_processes() > 1:
+        return select_devices(None)  # --simulate-devices N: N per process, all of them take part
     return select_devices(args.devices or args.simulate_devices)
 
 
@@ -113,22 +117,56 @@ def _is_main_process_hint() -> bool:
     return True
 
 
-def prepare_run(args: argparse.Namespace):
-    """Check the flags, start the devices (and ``jax.distributed``), size the mesh: returns
-    ``(devices, is_main, cfg, run, out)``. CLIError before anything is written."""
-    if args.data is not None and not Path(args.data).is_file():
-        raise CLIError(f"--data {args.data}: no such file")
-    for n in (args.devices, args.simulate_devices):
-        if n is not None and args.batch % n:
-            raise CLIError(f"--batch {args.batch} does not divide over {n} devices: use a "
-                           f"multiple of {n}")
-    main = _is_main_process_hint() and args.process_id in (None, 0)
-    if args.out is not None and main:
-        check_out_dir(Path(args.out), args.overwrite, args.resume)  # before the (slow) jax import
-    devices = setup_devices(args)
+def _one_process_hint(args: argparse.Namespace) -> bool:
+    """Before jax starts: whether this looks like a single-process run (then a bad output
+    directory is refused before the slow jax import; with several, all processes refuse it
+    together, see :func:`prepare_run`)."""
+    if args.num_processes is not None:
+        return args.num_processes == 1
+    for var in ("QSDP_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(var, "1").strip() not in ("", "1"):
+            return False
+    return True
+
+
+# Flags that may differ between the processes of one run: everything else must be the same.
+PROCESS_LOCAL = ("process_id", "process_logs", "devices", "simulate_devices", "coordinator",
+                 "quiet", "argv")
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The settings every process of a run must share: the parsed flags less
+    :data:`PROCESS_LOCAL`, the data file's SHA-256 (the same path may hold another text on
+    another host) and the jax / qsdp_jax versions."""
+    import hashlib
+
+    import jax
+
+    import qsdp_jax
+
+    settings = {"--" + k.replace("_", "-"): v for k, v in sorted(vars(args).items())
+                if k not in PROCESS_LOCAL}
+    if args.data is not None:
+        settings["data_sha256"] = hashlib.sha256(Path(args.data).read_bytes()).hexdigest()
+    settings["versions"] = {"jax": jax.__version__, "qsdp_jax": qsdp_jax.__version__}
+    return settings
+
+
+def check_same_settings(args: argparse.Namespace) -> None:
+    """CLIError on every process when the processes' settings differ (or one of them does not
+    get to the check within the connect bound); a no-op with one process."""
     from qsdp_jax import distributed
 
-    main = distributed.is_main_process()
+    try:
+        distributed.check_agreement(run_settings(args), what="trainer settings")
+    except (distributed.SettingsMismatch, distributed.AgreementTimeout) as e:
+        raise CLIError(str(e)) from None
+
+
+def _configure(args: argparse.Namespace, devices):
+    """The mesh sizes and the configs (the same on every process): ``(cfg, run)``."""
+    from qsdp_jax import distributed
+
     if args.batch % len(devices):
         raise CLIError(f"--batch {args.batch} does not divide over {len(devices)} devices: use a "
                        f"multiple of {len(devices)}")
@@ -137,8 +175,65 @@ def prepare_run(args: argparse.Namespace):
         mesh = mesh_sizes(args.mesh, len(devices), distributed.num_processes())
     except ValueError as e:
         raise CLIError(str(e)) from None
-    cfg, run = build_run_config(args, mesh)
-    out = Path(args.out) if args.out is not None else default_out(args.preset, cfg.name)
-    if main:
-        check_out_dir(out, args.overwrite, args.resume)
+    return build_run_config(args, mesh)
+
+
+def _together(what: str, check, *call_args, main_only: bool = False):
+    """``check(*call_args)`` on every process (on process 0 alone with ``main_only``); a
+    CLIError on any process is raised on every process, naming the process (with several)."""
+    from qsdp_jax import distributed
+
+    result, error = None, None
+    try:
+        if not main_only or distributed.is_main_process():
+            result = check(*call_args)
+    except CLIError as e:
+        error = str(e)
+    error = distributed.agree_on_error(error, what=what)
+    if error is not None:
+        raise CLIError(error)
+    return result
+
+
+def prepare_run(args: argparse.Namespace):
+    """Check the flags, start the devices (and ``jax.distributed``), check that every process
+    runs with the same settings, size the mesh: returns ``(devices, is_main, cfg, run, out)``.
+    CLIError before anything is written (on every process, when one of them finds an error)."""
+    if args.data is not None and not Path(args.data).is_file():
+        raise CLIError(f"--data {args.data}: no such file")
+    for n in (args.devices, args.simulate_devices):
+        if n is not None and args.batch % n:
+            raise CLIError(f"--batch {args.batch} does not divide over {n} devices: use a "
+                           f"multiple of {n}")
+    if args.out is not None and _is_main_process_hint() and _one_process_hint(args):
+        check_out_dir(Path(args.out), args.overwrite, args.resume)  # before the (slow) jax import
+    devices = setup_devices(args)
+    from qsdp_jax import distributed
+
+    # a process that dies, freezes or exits early from here on ends the others (--peer-timeout);
+    # train_loop finishes the monitor at the run's end
+    finish_peers()  # an earlier run in this process that stopped before training (its error)
+    PEERS["monitor"] = distributed.watch_peers(args.peer_timeout)
+    try:
+        check_same_settings(args)
+        main = distributed.is_main_process()
+        cfg, run = _together("trainer setup", _configure, args, devices)
+        # process 0's default directory (its timestamp) on every process: checkpoints go there
+        out = Path(args.out if args.out is not None else distributed.from_process_0(
+            str(default_out(args.preset, cfg.name)), what="output directory"))
+        _together("output directory check", check_out_dir, out, args.overwrite, args.resume,
+                  main_only=True)
+    except CLIError:
+        finish_peers()  # every process stops with this error: none is lost
+        raise
     return devices, main, cfg, run, out
+
+
+PEERS: dict = {"monitor": None}
+
+
+def finish_peers() -> None:
+    """This process is done with the run's collectives: its exit no longer ends the others."""
+    monitor, PEERS["monitor"] = PEERS["monitor"], None
+    if monitor is not None:
+        monitor.finish()

@@ -8,7 +8,6 @@ entry points do that before importing jax.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -278,9 +277,12 @@ def summarise(trainer: Trainer, history: list[StepLog], report, wall_s: float, c
 
 
 def write_jsonl(path: Path, rows) -> None:
+    """One strict-JSON line per row (NaN / inf as strings, see ``run_files.dumps_strict``)."""
+    from experiments.run_files import dumps_strict
+
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
         for r in rows:
-            f.write(json.dumps(r) + "\n")
+            f.write(dumps_strict(r) + "\n")
     tmp.replace(path)

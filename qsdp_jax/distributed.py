@@ -17,11 +17,23 @@ Where the settings come from, first match wins:
 
 :func:`initialize` is idempotent: a second call (or a call after someone else started
 ``jax.distributed``) returns the running setup. The heartbeat timeout defaults to
-10 s instead of jax's 100 s, so a dead peer does not freeze the others for minutes.
+10 s instead of jax's 100 s, so a dead peer does not freeze the others for minutes, and the
+start to 60 s instead of 300 s: processes that do not all connect by then each say why (nothing
+listens at the coordinator's address, or not every process joined) and exit with status 69
+(:func:`qsdp_jax.peers.connect_guard`); a process 0 whose port is taken stops at once.
+
+Then :func:`check_agreement` (every process has process 0's settings, or all raise naming the
+difference) and :func:`watch_peers` (a process that dies, freezes or exits early ends the others
+with a message naming it, status 75), for any training loop::
+
+    distributed.check_agreement({"lr": lr, "seed": seed, "steps": steps})
+    with distributed.watch_peers(timeout_s=10):
+        train()
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -29,10 +41,24 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from qsdp_jax import peers
+from qsdp_jax.agreement import (  # noqa: F401  (part of this module's API)
+    AgreementTimeout,
+    SettingsMismatch,
+    agree_on_error,
+    check_agreement,
+    from_process_0,
+)
+
 __all__ = [
+    "AgreementTimeout",
     "DistributedInfo",
     "DistributedSettings",
+    "SettingsMismatch",
+    "agree_on_error",
+    "check_agreement",
     "enable_process_log",
+    "from_process_0",
     "initialize",
     "is_main_process",
     "main_print",
@@ -40,6 +66,7 @@ __all__ = [
     "process_index",
     "resolve",
     "shutdown",
+    "watch_peers",
 ]
 
 ENV_COORDINATOR = "QSDP_COORDINATOR"
@@ -65,7 +92,8 @@ class DistributedSettings:
         jax choose (all local devices, or one per process under SLURM/MPI on GPUs).
       heartbeat_timeout_s: seconds without a heartbeat after which a peer counts as dead.
       shutdown_timeout_s: seconds a finishing process waits for the others at shutdown.
-      init_timeout_s: seconds the processes wait for each other at start.
+      init_timeout_s: seconds the processes wait for each other at start; then each says what
+        is wrong (see :func:`qsdp_jax.peers.connect_guard`) and exits with status 69.
       cluster_detection: ``None`` (auto), a jax method name (``"slurm"``, ``"ompi"``,
         ``"gcetpu"``, ``"gketpu"``, ``"mpi4py"``, ``"k8s"``) or ``"deactivate"``.
     """
@@ -76,7 +104,7 @@ class DistributedSettings:
     local_device_ids: tuple[int, ...] | None = None
     heartbeat_timeout_s: int = 10
     shutdown_timeout_s: int = 30
-    init_timeout_s: int = 300
+    init_timeout_s: int = 60
     cluster_detection: str | None = None
 
     def __post_init__(self):
@@ -225,19 +253,34 @@ def initialize(settings: DistributedSettings | None = None, **kwargs) -> Distrib
         raise RuntimeError(
             "qsdp_jax.distributed.initialize() must run before any other JAX call (jax.devices, "
             "jnp arrays, jit...): JAX's backends already exist in this process")
-    jax.distributed.initialize(
-        coordinator_address=settings.coordinator,
-        num_processes=settings.num_processes,
-        process_id=settings.process_id,
-        local_device_ids=list(settings.local_device_ids) if settings.local_device_ids else None,
-        cluster_detection_method=settings.cluster_detection,
-        initialization_timeout=settings.init_timeout_s,
-        heartbeat_timeout_seconds=settings.heartbeat_timeout_s,
-        shutdown_timeout_seconds=settings.shutdown_timeout_s,
-    )
+    known = None not in (plan.coordinator, plan.num_processes, plan.process_id)
+    if known and plan.process_id == 0:
+        peers.check_port_free(plan.coordinator)  # another process 0 (or program) is there
+    guard = (peers.connect_guard(plan.coordinator, plan.process_id, plan.num_processes,
+                                 settings.init_timeout_s) if known else contextlib.nullcontext())
+    with guard:  # our message before jax's own timeout (a C++ abort that names nothing)
+        jax.distributed.initialize(
+            coordinator_address=settings.coordinator,
+            num_processes=settings.num_processes,
+            process_id=settings.process_id,
+            local_device_ids=list(settings.local_device_ids) if settings.local_device_ids else None,
+            cluster_detection_method=settings.cluster_detection,
+            initialization_timeout=settings.init_timeout_s + (30 if known else 0),
+            heartbeat_timeout_seconds=settings.heartbeat_timeout_s,
+            shutdown_timeout_seconds=settings.shutdown_timeout_s,
+        )
     _STATE["info"] = DistributedInfo(plan.source, jax.process_count(), jax.process_index(),
                                      settings.coordinator or plan.coordinator)
     return _STATE["info"]
+
+
+def watch_peers(timeout_s: float = 10.0, **kwargs) -> "peers.PeerMonitor":
+    """Start a :class:`qsdp_jax.peers.PeerMonitor`: from now on, a process of the run that dies,
+    freezes (``timeout_s``) or exits early ends every process with a message naming it and
+    status 75. Call ``.finish()`` on the result when this process is done (or use it as a
+    context manager); a no-op with one process. Give :func:`initialize` a heartbeat timeout
+    above ``timeout_s``."""
+    return peers.PeerMonitor(timeout_s, **kwargs).start()
 
 
 def shutdown() -> None:

@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Callable
 
 EXIT_CODE = 75  # EX_TEMPFAIL: try again (restart and resume)
@@ -48,6 +49,13 @@ def save_or_explain(save: Callable[[], bool], state, latest_step: Callable[[], i
                 f"last complete checkpoint is step {latest_step()}")
     save()
     return f"Saved step {int(jax.device_get(state.step))}"
+
+
+def _where(error: BaseException) -> str:
+    """`` (at file.py:123)``: where ``error`` was raised, so that a bug in ``on_timeout`` (a
+    NameError, say) reads as one and not as a failed save."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
 
 
 class StepWatchdog:
@@ -118,7 +126,8 @@ class StepWatchdog:
                 try:
                     result.append(self.on_timeout())
                 except BaseException as e:  # noqa: BLE001 - reported below
-                    result.append(f"The save failed: {type(e).__name__}: {str(e).rstrip('.')}")
+                    result.append(f"The save failed: {type(e).__name__}: {str(e).rstrip('.')}"
+                                  f"{_where(e)}")
 
             t = threading.Thread(target=attempt, name="qsdp-watchdog-save", daemon=True)
             t.start()

@@ -4,7 +4,6 @@ its last complete checkpoint and finishes with the uninterrupted run's losses.""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from experiments.multiproc import find_free_port

@@ -1,0 +1,67 @@
+"""Launching ``python -m experiments.train_gpt`` processes of one multi-process run (2 x 4
+simulated CPU devices by default) for tests/test_cluster_agreement.py and
+tests/test_cluster_failures.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from experiments.multiproc import find_free_port
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
+SMALL = ["--d-model", "32", "--n-heads", "2", "--n-layers", "1", "--seq-len", "32", "--batch", "8",
+         "--bucket-size", "64", "--eval-batches", "1", "--data", str(DATA), "--steps", "3",
+         "--no-fp32-ratio", "--quiet", "--simulate-devices", "4"]
+
+
+def start_trainers(tmp_path: Path, extra: list[list[str]], *, port: int | None = None,
+                   ids=(0, 1), num_processes: int = 2, env=None) -> list[subprocess.Popen]:
+    """One trainer process per entry of ``ids`` (its ``--process-id``), with ``extra[k]`` added to
+    its flags; stdout+stderr to ``tmp_path/p<k>.log``."""
+    port = port or find_free_port()
+    full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    full_env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **(env or {}))
+    procs = []
+    for k, (pid, flags) in enumerate(zip(ids, extra)):
+        log = open(tmp_path / f"p{k}.log", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "experiments.train_gpt", *SMALL, "--coordinator",
+             f"127.0.0.1:{port}", "--num-processes", str(num_processes), "--process-id", str(pid),
+             *flags],
+            cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def wait_all(procs, timeout_s: float) -> list[int | None]:
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return codes
+
+
+def read_log(tmp_path: Path, k: int) -> str:
+    return (tmp_path / f"p{k}.log").read_text(errors="replace")
+
+
+def wait_for(predicate, timeout_s: float, procs=()) -> None:
+    """Poll ``predicate`` until true; AssertionError after ``timeout_s`` or when one of ``procs``
+    exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        for p in procs:
+            assert p.poll() is None, f"a process exited early with status {p.returncode}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
