@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 # The whole suite on 8 simulated CPU devices (tests/conftest.py sets them up).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 # ruff's bug-finding rules (pyproject.toml's [tool.ruff] says which, and why no `ruff format`).
 lint: $(STAMP)
