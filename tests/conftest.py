@@ -25,8 +25,6 @@ def _has_platform(name: str) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file kept
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_tpu = pytest.mark.skip(reason="needs a TPU")
     for item in items:
@@ -34,14 +32,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "tpu" in item.keywords and not _has_platform("tpu"):
             item.add_marker(skip_tpu)
-
-
-# The longest test files first (per-file seconds of a loaded 2-core run, `--durations`): the two
-# xdist workers (`--dist loadfile` hands out whole files in collection order) then take the long
-# files early and finish together, instead of one worker starting a two-minute file at the end.
-LONGEST_FIRST = (
-    "test_resume_cli.py", "test_train.py", "test_bench_network.py", "test_trainer_cluster.py",
-    "test_checkpoint_safety.py", "test_optax_matrix.py", "test_checkpoint.py", "test_kill_resume.py",
-    "test_multiproc_2level.py", "test_reference_bits.py", "test_bounded_failure.py",
-    "test_cluster_failures.py", "test_kernels.py", "test_nnx_gpt.py", "test_nnx.py",
-)
