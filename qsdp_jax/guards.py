@@ -36,6 +36,14 @@ def _state_label(path) -> str:
     return f"train state's {jax.tree_util.keystr(path)}"
 
 
+def check_stacked(stacked) -> None:
+    """``stacked`` given as a string (a common slip for a one-group tuple) is a clear error."""
+    if isinstance(stacked, str):
+        raise TypeError(
+            f"stacked must be a sequence of group names, e.g. ({stacked!r},), got the string {stacked!r}"
+        )
+
+
 def check_params(params, stacked, *, label: Callable = _param_label, int_hint: str = DICT_INT_HINT) -> None:
     """Clear errors for what would fail deep inside JAX or train silently wrong: ``stacked``
     given as a string, non-float leaves, NaN/Inf values (concrete params only).
@@ -46,10 +54,7 @@ def check_params(params, stacked, *, label: Callable = _param_label, int_hint: s
       label: names a leaf in the messages, from its key path.
       int_hint: where to keep integer or boolean arrays instead, for the dtype error.
     """
-    if isinstance(stacked, str):
-        raise TypeError(
-            f"stacked must be a sequence of group names, e.g. ({stacked!r},), got the string {stacked!r}"
-        )
+    check_stacked(stacked)
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = label(path)
         dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype

@@ -86,12 +86,11 @@ def init_state(
       TypeError: an ``nnx.Param`` that is not floating point.
       ValueError: an ``nnx.Param`` holding NaN or Inf, or a module without ``nnx.Param``.
     """
-    if isinstance(stacked, str):
-        guards.check_params({}, stacked)
+    guards.check_stacked(stacked)
     mdef = describe(model, stacked)
     params = group_params(model, mdef)
     guards.check_params(params, mdef.stacked, label=_param_label, int_hint=_INT_HINT)
-    state = train.init_train_state(params, optimizer, mesh, config, stacked=mdef.stacked)
+    state = train.init_checked_state(params, optimizer, mesh, config, mdef.stacked)
     copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=NamedSharding(mesh, P()))
     return dataclasses.replace(state, model_state=copy(model_state(model, mdef)))
 

@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from qsdp_jax import optim as qoptim
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.grid import layout_context
-from qsdp_jax.guards import CheckedStep, check_params, warn_padding
+from qsdp_jax.guards import CheckedStep, check_params, check_stacked, warn_padding
 from qsdp_jax.hierarchy import device_mean, mesh_sizes
 from qsdp_jax.sharded_access import ShardedParams  # noqa: F401  (re-exported)
 from qsdp_jax.sharding import ParamLayout
@@ -120,6 +120,12 @@ def init_train_state(
       The sharded :class:`TrainState` at step 0.
     """
     check_params(params, stacked)
+    return init_checked_state(params, optimizer, mesh, config, stacked)
+
+
+def init_checked_state(params, optimizer, mesh: Mesh, config: QSDPConfig, stacked: Sequence[str]) -> TrainState:
+    """:func:`init_train_state` for params a front door has checked already (the NNX one,
+    with its own words), so the NaN scan over every parameter runs once."""
     layout = _layout(params, mesh, config, stacked)
     shard = jax.jit(lambda p: jax.tree.map(jnp.asarray, p),
                     out_shardings=layout.shardings(mesh, config.shard_axes))
@@ -160,8 +166,7 @@ def abstract_train_state(
 
 def _layout(params, mesh: Mesh, config: QSDPConfig, stacked: Sequence[str]) -> ParamLayout:
     _check_config(config)
-    if isinstance(stacked, str):
-        check_params({}, stacked)
+    check_stacked(stacked)
     n, _ = mesh_sizes(mesh, config)
     layout = ParamLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked,
                                 config.bit_policy, (config.weight_bits, config.grad_bits))

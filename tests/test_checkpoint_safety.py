@@ -11,12 +11,11 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
-import optax
 import pytest
 
 import jax
 import qsdp_jax as q
-import toymodel
+import test_checkpoint
 from qsdp_jax.checkpoint import CheckpointDamaged, CheckpointLocked, Checkpointer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,19 +23,11 @@ CONFIG = q.QSDPConfig.qsdp(8, 8, bucket_size=64, min_shard_size=256)
 
 
 def _setup():
-    mesh = q.make_mesh()
-    opt = q.optim.qsdp(optax.adam(1e-2), CONFIG)
-    state = q.init_train_state(toymodel.init(0), opt, mesh, CONFIG, stacked=toymodel.STACKED)
-    step = q.make_train_step(toymodel.loss, opt, mesh, CONFIG, donate=False)
-    return mesh, state, step
+    """``(mesh, state, step)`` of the toy model at W8G8 on 8 devices (test_checkpoint's)."""
+    return test_checkpoint._setup(CONFIG)
 
 
-def _run(step, state, start, stop):
-    losses = []
-    for i in range(start, stop):
-        state, m = step(state, toymodel.batch(i))
-        losses.append(float(m["loss"]))
-    return state, losses
+_run = test_checkpoint._run
 
 
 def _leaves(tree):
