@@ -26,6 +26,8 @@ import json
 import math
 from collections.abc import Mapping
 
+from jax._src import distributed as jax_distributed  # its key-value store client
+
 __all__ = ["AgreementTimeout", "SettingsMismatch", "agree_on_error", "check_agreement",
            "from_process_0"]
 
@@ -47,16 +49,10 @@ class AgreementTimeout(TimeoutError):
     """A process did not reach the agreement check in time."""
 
 
-def _client_and_ids():
+def client_and_ids():
     """``(client, process_id, num_processes)`` of the running ``jax.distributed``, or None when
     there is only one process (nothing started)."""
-    import sys
-
-    if "jax" not in sys.modules:
-        return None
-    from jax._src import distributed as jd
-
-    state = jd.global_state
+    state = jax_distributed.global_state
     if state.client is None or not state.num_processes or state.num_processes <= 1:
         return None
     return state.client, int(state.process_id), int(state.num_processes)
@@ -88,7 +84,7 @@ def _plain(value):
 def _exchange(what: str, payload: str, decide, timeout_s: float) -> str:
     """Every process sends ``payload`` to process 0; process 0 calls ``decide({process: payload})``
     (or writes a timeout verdict) and every process gets its answer back."""
-    client, me, n = _client_and_ids()
+    client, me, n = client_and_ids()
     call = _CALLS.get(what, 0)
     _CALLS[what] = call + 1
     key = f"{_PREFIX}/{what}/{call}"
@@ -152,7 +148,7 @@ def check_agreement(settings: Mapping, *, what: str = "settings", timeout_s: flo
         and both values.
       AgreementTimeout: a process did not reach the check within ``timeout_s``.
     """
-    if _client_and_ids() is None:
+    if client_and_ids() is None:
         return
     answer = _exchange(what, json.dumps(flatten(settings), sort_keys=True), _compare, timeout_s)
     differences = [tuple(d) for d in answer["differences"]]
@@ -172,7 +168,7 @@ def agree_on_error(error: str | None, *, what: str = "setup", timeout_s: float =
     """Every process passes its own error message (None if it has none); every process gets
     the first one, ``"process i: message"``, or None when no process has one. Use it to make a
     check that fails on some processes only stop all of them (a no-op with one process)."""
-    if _client_and_ids() is None:
+    if client_and_ids() is None:
         return None if error is None else error
 
     def first(views: dict[int, str]):
@@ -188,7 +184,7 @@ def agree_on_error(error: str | None, *, what: str = "setup", timeout_s: float =
 def from_process_0(value, *, what: str = "value", timeout_s: float = 60.0):
     """Process 0's ``value`` (JSON-like) on every process, e.g. a default output path with a
     timestamp in it; ``value`` itself with one process."""
-    if _client_and_ids() is None:
+    if client_and_ids() is None:
         return value
     return json.loads(_exchange(what, json.dumps(value), lambda views: views[0], timeout_s))
 

@@ -40,6 +40,10 @@ import threading
 import time
 from typing import Callable
 
+from jax._src import distributed as jax_distributed
+
+from qsdp_jax import agreement
+
 __all__ = ["EXIT_NOT_CONNECTED", "EXIT_PEER_LOST", "PeerMonitor", "check_port_free",
            "connect_guard"]
 
@@ -168,9 +172,7 @@ class PeerMonitor:
 
     def start(self) -> "PeerMonitor":
         """Connect to the other processes and start watching (a no-op with one process)."""
-        from qsdp_jax import agreement
-
-        ids = agreement._client_and_ids()
+        ids = agreement.client_and_ids()
         if ids is None or self._started:
             return self
         self._started = True
@@ -209,10 +211,8 @@ class PeerMonitor:
         client.key_value_set(key, str(server.getsockname()[1]))
 
     def _connect(self, client, key: str) -> None:
-        from jax._src import distributed as jd
-
         port = int(client.blocking_key_value_get(key, int(self.connect_timeout_s * 1000)))
-        host = _host_port(jd.global_state.coordinator_address)[0]
+        host = _host_port(jax_distributed.global_state.coordinator_address)[0]
         sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
         sock.sendall(f"HELLO {self.me}\n".encode())
         self._add(sock, 0)

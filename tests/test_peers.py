@@ -93,7 +93,7 @@ def _pair(monkeypatch, timeout_s=5.0):
 
     kv = _FakeKV()
     ids = iter([(kv, 0, 2), (kv, 1, 2)])
-    monkeypatch.setattr(agreement, "_client_and_ids", lambda: next(ids))
+    monkeypatch.setattr(agreement, "client_and_ids", lambda: next(ids))
     monkeypatch.setattr(jd.global_state, "coordinator_address", "127.0.0.1:1")
     monkeypatch.setattr(peers, "_GRACE_S", 0.2)
     pair = []
