@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from jax._src import distributed as jax_distributed  # its key-value store client
 
@@ -81,9 +82,10 @@ def _plain(value):
     return value
 
 
-def _exchange(what: str, payload: str, decide, timeout_s: float) -> str:
+def _exchange(what: str, payload: str, decide, timeout_s: float) -> Any:
     """Every process sends ``payload`` to process 0; process 0 calls ``decide({process: payload})``
-    (or writes a timeout verdict) and every process gets its answer back."""
+    (or writes a timeout verdict) and every process gets its answer back (what ``decide``
+    returned, through JSON)."""
     client, me, n = client_and_ids()
     call = _CALLS.get(what, 0)
     _CALLS[what] = call + 1

@@ -26,7 +26,8 @@ def library_version() -> str:
     return __version__
 
 
-FORMAT_NAMES = {1: "flat per-layer buffers (qsdp_jax before the per-parameter layout)"}
+# Keyed by object: looked up with whatever a record's "format" holds (None when it has none).
+FORMAT_NAMES: dict[object, str] = {1: "flat per-layer buffers (qsdp_jax before the per-parameter layout)"}
 
 
 def describe_layout(layout: ParamLayout) -> dict:

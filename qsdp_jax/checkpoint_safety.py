@@ -48,7 +48,9 @@ class CheckpointLocked(RuntimeError):
 # ----------------------------------------------------------------------------------------------
 def crc32(x: np.ndarray) -> int:
     """CRC-32 of an array's bytes in C order (any dtype, 0-d included)."""
-    return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+    # .data: the bytes as a memoryview, no copy (numpy's stubs give ndarray the buffer protocol
+    # only for Python >= 3.12, so the array itself is not a Buffer to a 3.11 type checker).
+    return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data)
 
 
 def checksums(arrays: dict[str, np.ndarray]) -> dict[str, int]:
@@ -131,7 +133,8 @@ def finish_at_exit(checkpointer) -> None:
     if not _HOOKED:
         # threading's exit hooks run in reverse order of registration, before atexit and before
         # concurrent.futures stops its pools (registered when orbax imported it, before us).
-        threading._register_atexit(_finish_pending)  # noqa: SLF001 - no public hook runs early enough
+        # No public hook runs early enough; the private one is not in typeshed's threading stubs.
+        threading._register_atexit(_finish_pending)  # type: ignore[attr-defined]  # noqa: SLF001
         _HOOKED = True
 
 

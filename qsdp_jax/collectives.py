@@ -219,7 +219,7 @@ class GatherSpec:
     weight_mode: str
     weight_bits: int | None
     grad_bits: int | None
-    grad_rounding: str = "stochastic"
+    grad_rounding: qz.QRounding = "stochastic"
     fp_dtype: str = "float32"
     kernels: str = "auto"
     grad_rotation: int | None = None
@@ -245,6 +245,7 @@ class GatherSpec:
             return all_gather_fp(shard, axis_name=self.axis_name, dtype=self.fp_dtype)
         if self.weight_mode == "qsdp" and grid is None:
             raise ValueError("weight_mode='qsdp' gathers need the grid the shard lies on")
+        assert self.weight_bits is not None  # QSDPConfig: 'qsdp' / 'comm' weights have bits
         return quantized_all_gather(
             shard,
             bits=self.weight_bits,

@@ -9,6 +9,10 @@ def format_table(report, per_op: bool = False) -> str:
     """A text table of ``report``'s wire bytes per (kind, dtype), or per instruction with
     ``per_op`` (:meth:`qsdp_jax.comm.CommReport.table`)."""
     total = report.total_bytes
+    # Both layouts are rows of text cells; their widths (7 or 6 columns) differ.
+    header: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+    last: tuple[str, ...]
     if per_op:
         header = ("computation/name", "kind", "dtype", "N", "count", "payload B", "wire B")
         rows = [

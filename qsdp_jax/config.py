@@ -187,7 +187,7 @@ class QSDPConfig:
         policy = self.bit_policy
         if isinstance(policy, (str, bytes)) or not isinstance(policy, (tuple, list)):
             _fail("bit_policy", policy, "a tuple of rules (pattern, weight_bits, grad_bits)")
-        rules = []
+        rules: list[tuple[str, int | None, int | None]] = []
         for i, rule in enumerate(policy):
             field = f"bit_policy[{i}]"
             if isinstance(rule, (str, bytes)) or not isinstance(rule, (tuple, list)) or len(rule) != 3:
@@ -347,7 +347,8 @@ class QSDPConfig:
     @property
     def batch_axes(self) -> str | tuple[str, str]:
         """What the batch is split over: every axis of the mesh."""
-        return self.axis_name if self.outer_axis is None else self.mesh_axes
+        outer = self.outer_axis
+        return self.axis_name if outer is None else (outer, self.axis_name)
 
     @property
     def outer_weight_bits(self) -> int | None:
@@ -368,7 +369,7 @@ class QSDPConfig:
         fp = "F32" if self.fp_comm_dtype == "float32" else "BF16"
         w = f"W{self.weight_bits}" if self.weight_bits is not None else f"W{fp}"
         g = f"G{self.grad_bits}" if self.grad_bits is not None else f"G{fp}"
-        mode = self.weight_mode
+        mode: str = self.weight_mode
         if mode == "qsdp" and self.weight_rounding == "stochastic":
             mode = "qsdp-sr"
         return f"{mode}-{w}{g}{self._level_suffix()}{self._lever_suffix()}{self._policy_suffix()}"

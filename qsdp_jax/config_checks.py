@@ -3,8 +3,10 @@ names the field, the value it got and what is allowed."""
 
 from __future__ import annotations
 
+from typing import NoReturn
 
-def fail(field: str, value, allowed: str):
+
+def fail(field: str, value, allowed: str) -> NoReturn:
     raise ValueError(f"QSDPConfig.{field}={value!r} is invalid: must be {allowed}")
 
 

@@ -40,6 +40,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from qsdp_jax import peers
 from qsdp_jax.agreement import (  # noqa: F401  (part of this module's API)
@@ -133,7 +134,7 @@ class DistributedSettings:
         """Settings from the ``QSDP_*`` variables of ``environ`` (default ``os.environ``);
         ``overrides`` that are not None win."""
         env = os.environ if environ is None else environ
-        fields = dict(
+        fields: dict[str, Any] = dict(
             coordinator=env.get(ENV_COORDINATOR) or env.get("JAX_COORDINATOR_ADDRESS") or None,
             num_processes=_env_int(env, ENV_NUM_PROCESSES),
             process_id=_env_int(env, ENV_PROCESS_ID),
@@ -234,30 +235,34 @@ def initialize(settings: DistributedSettings | None = None, **kwargs) -> Distrib
     arguments are :class:`DistributedSettings` fields and override the environment."""
     import jax
 
-    if _STATE["info"] is not None and _STATE["info"].source != "single":
-        return _STATE["info"]  # started once; a single process started nothing: look again
+    info = _STATE["info"]
+    if info is not None and info.source != "single":
+        return info  # started once; a single process started nothing: look again
     if jax.distributed.is_initialized():
-        _STATE["info"] = DistributedInfo("external", jax.process_count(), jax.process_index())
-        return _STATE["info"]
+        info = _STATE["info"] = DistributedInfo("external", jax.process_count(), jax.process_index())
+        return info
     if settings is None:
         settings = DistributedSettings.from_env(**kwargs)
     elif kwargs:
         settings = dataclasses.replace(settings, **kwargs)
     plan = resolve(settings)
     if plan.num_processes == 1:
-        _STATE["info"] = DistributedInfo("single", 1, 0)
-        return _STATE["info"]
+        info = _STATE["info"] = DistributedInfo("single", 1, 0)
+        return info
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
         raise RuntimeError(
             "qsdp_jax.distributed.initialize() must run before any other JAX call (jax.devices, "
             "jnp arrays, jit...): JAX's backends already exist in this process")
-    known = None not in (plan.coordinator, plan.num_processes, plan.process_id)
-    if known and plan.process_id == 0:
-        peers.check_port_free(plan.coordinator)  # another process 0 (or program) is there
-    guard = (peers.connect_guard(plan.coordinator, plan.process_id, plan.num_processes,
-                                 settings.init_timeout_s) if known else contextlib.nullcontext())
+    known = False
+    guard: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if plan.coordinator is not None and plan.num_processes is not None and plan.process_id is not None:
+        known = True
+        if plan.process_id == 0:
+            peers.check_port_free(plan.coordinator)  # another process 0 (or program) is there
+        guard = peers.connect_guard(plan.coordinator, plan.process_id, plan.num_processes,
+                                    settings.init_timeout_s)
     with guard:  # our message before jax's own timeout (a C++ abort that names nothing)
         jax.distributed.initialize(
             coordinator_address=settings.coordinator,
@@ -269,9 +274,9 @@ def initialize(settings: DistributedSettings | None = None, **kwargs) -> Distrib
             heartbeat_timeout_seconds=settings.heartbeat_timeout_s,
             shutdown_timeout_seconds=settings.shutdown_timeout_s,
         )
-    _STATE["info"] = DistributedInfo(plan.source, jax.process_count(), jax.process_index(),
-                                     settings.coordinator or plan.coordinator)
-    return _STATE["info"]
+    info = _STATE["info"] = DistributedInfo(plan.source, jax.process_count(), jax.process_index(),
+                                            settings.coordinator or plan.coordinator)
+    return info
 
 
 def watch_peers(timeout_s: float = 10.0, **kwargs) -> "peers.PeerMonitor":

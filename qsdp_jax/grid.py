@@ -127,6 +127,7 @@ def _bucket_ids(geo: LeafGrid, shard) -> jax.Array:
 
 def _project_block(x, geo: LeafGrid, config, key, shard, rounding=None):
     bucket, bits = config.bucket_size, geo.bits
+    assert bits is not None  # project() and snap() pass the gridded leaves only
     rounding = config.weight_rounding if rounding is None else rounding
 
     def reference(r, k, i):
@@ -144,6 +145,7 @@ def _project_block(x, geo: LeafGrid, config, key, shard, rounding=None):
 
 def _snap_block(x, scales, offsets, geo: LeafGrid, config):
     bucket, bits = config.bucket_size, geo.bits
+    assert bits is not None  # project() and snap() pass the gridded leaves only
     values = qk.select(
         config.kernels,
         lambda r, s, o: qz.quantize_on_grid(r, s, o, bits, bucket).dequantize(),

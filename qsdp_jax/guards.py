@@ -115,8 +115,10 @@ def check_mesh(arrays, mesh: Mesh, label: Callable = _state_label) -> None:
             continue
         sharding = x.sharding
         if isinstance(sharding, NamedSharding) and sharding.mesh is not mesh and sharding.mesh != mesh:
+            theirs = sharding.mesh
+            assert isinstance(theirs, Mesh)  # a concrete array's mesh has devices (not abstract)
             raise ValueError(
-                f"the {label(path)} lies on the mesh {describe_mesh(sharding.mesh)} but this step "
+                f"the {label(path)} lies on the mesh {describe_mesh(theirs)} but this step "
                 f"was built for the mesh {describe_mesh(mesh)}: make the state on the step's mesh, "
                 "or restore a checkpoint of it onto that mesh (qsdp_jax.checkpoint reshards)"
             )

@@ -131,7 +131,7 @@ def two_level_reduce_scatter(
     outer_bits: int | None,
     inner_bits: int | None,
     key: jax.Array | None,
-    rounding: str = "stochastic",
+    rounding: qz.QRounding = "stochastic",
     fp_dtype: str = "float32",
     kernels: str = "auto",
 ) -> jax.Array:
@@ -165,7 +165,7 @@ def cross_group_all_reduce(
     bucket: int,
     bits: int | None,
     key: jax.Array | None,
-    rounding: str = "stochastic",
+    rounding: qz.QRounding = "stochastic",
     fp_dtype: str = "float32",
     kernels: str = "auto",
 ) -> jax.Array:
@@ -217,7 +217,7 @@ class TwoLevelSpec:
     outer_weight_bits: int | None
     inner_grad_bits: int | None
     outer_grad_bits: int | None
-    grad_rounding: str = "stochastic"
+    grad_rounding: qz.QRounding = "stochastic"
     fp_dtype: str = "float32"
     kernels: str = "auto"
 

@@ -102,7 +102,7 @@ class _Array:
 
 @dataclasses.dataclass(frozen=True)
 class _Tuple:
-    elements: tuple[Any, ...]
+    elements: tuple[_Array | _Tuple, ...]
 
     def leaves(self) -> list[_Array]:
         return [leaf for e in self.elements for leaf in e.leaves()]
@@ -117,7 +117,7 @@ def _parse_shape(s: str, i: int = 0) -> tuple[_Array | _Tuple, int]:
         i += 1
     if i < len(s) and s[i] == "(":
         i += 1
-        elements = []
+        elements: list[_Array | _Tuple] = []
         while True:
             while i < len(s) and (s[i].isspace() or s[i] == ","):
                 i += 1

@@ -212,8 +212,8 @@ class TrainStep:
         xbatch = {"batch": batch, "extra": extra}
         inner = dataclasses.replace(state, model_state=None)
         if self.evaluate:
-            fn = train.make_eval_step(lambda p, b: self._loss(p, b)[0], self.mesh, self.config)
-            return fn(inner, xbatch)
+            eval_fn = train.make_eval_step(lambda p, b: self._loss(p, b)[0], self.mesh, self.config)
+            return eval_fn(inner, xbatch)
         aux_spec = P(self.config.batch_axes) if self.aux_out_spec is None else self.aux_out_spec
         fn = train.make_train_step(self._loss, self.optimizer, self.mesh, self.config, has_aux=True,
                                    aux_out_spec={"aux": aux_spec, "state": P()}, donate=False)

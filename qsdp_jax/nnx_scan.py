@@ -54,7 +54,9 @@ class ShardedParam(nnx.Param):
         self._refresh()
         return super().get_value(**kwargs)
 
-    def get_raw_value(self):
+    # flax marks get_raw_value final (typing only, not enforced); the lazy gather must hook it,
+    # since flax's own code reads parameters through it.
+    def get_raw_value(self):  # type: ignore[misc]
         self._refresh()
         return super().get_raw_value()
 
@@ -62,7 +64,7 @@ class ShardedParam(nnx.Param):
 class StepContext:
     """What the module and :func:`scan` see while the sharded loss is traced."""
 
-    def __init__(self, access, mdef: ModelDef, axis: str, record: dict):
+    def __init__(self, access, mdef: ModelDef, axis: str | tuple[str, ...], record: dict):
         self.access = access  # qsdp_jax.train.ShardedParams
         self.mdef = mdef
         self.axis = axis
@@ -98,6 +100,7 @@ class StepContext:
         params = []
         for spec in self.mdef.params:
             g = self.mdef.group_of(spec.path)
+            assert g is not None  # describe() made a group of every parameter's path prefix
             var = ShardedParam.from_metadata(jax.ShapeDtypeStruct(spec.shape, spec.dtype), dict(spec.metadata))
             object.__setattr__(var, "_qsdp_read", functools.partial(self.read, g, spec.path[len(g.path):]))
             params.append((spec.path, var))
@@ -148,12 +151,14 @@ def current() -> StepContext | None:
     return stack[-1] if stack else None
 
 
-def sync_batch_norm(module: nnx.Module, axis: str) -> None:
+def sync_batch_norm(module: nnx.Module, axis: str | tuple[str, ...]) -> None:
     """Give every ``nnx.BatchNorm`` without an ``axis_name`` the mesh axis: its statistics are
     then those of the global batch (the step computes what one device would on that batch)."""
     for _, m in nnx.iter_modules(module):
         if isinstance(m, nnx.BatchNorm) and m.axis_name is None:
-            m.axis_name = axis
+            # flax types axis_name as str | None, but its lax.pmean takes a tuple of axes too
+            # (a 2-D mesh's batch axes)
+            m.axis_name = axis  # type: ignore[assignment]
 
 
 def fold_keys(keys: jax.Array, step, device) -> jax.Array:
@@ -195,6 +200,7 @@ def scan(f: Callable | Any = _MISSING, *, length=None, reverse=False, unroll=1,
         _check_stacks(args, axes, skip=registered)
         if not registered:
             return plain(*args)  # outside the step, or no stack of the model: nnx.scan
+        assert ctx is not None  # registered is empty outside the step
         return _sharded_scan(ctx, f, args, axes, out_axes, registered, length, reverse)
 
     return wrapper

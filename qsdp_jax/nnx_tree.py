@@ -23,7 +23,7 @@ its non-parameter state.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import AbstractSet, Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +53,7 @@ class VarSpec:
     """One variable of the module: where it is, its type and metadata, its shape."""
 
     path: Path
-    type: type
+    type: type[nnx.Variable]
     metadata: dict
     shape: tuple
     dtype: Any
@@ -107,7 +107,8 @@ def describe(model: nnx.Module, stacked: Sequence[str] | None = None) -> ModelDe
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"expected an nnx.Module, got {type(model).__name__}")
-    graphdef, params, others = nnx.split(model, nnx.Param, ...)
+    # flax types split's result as (graphdef, state, *states); two filters give exactly three.
+    graphdef, params, others = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
     pspecs = tuple(_spec(p, v) for p, v in nnx.to_flat_state(params))
     ospecs = tuple(_spec(p, v) for p, v in nnx.to_flat_state(others))
     if not pspecs:
@@ -128,7 +129,8 @@ def describe(model: nnx.Module, stacked: Sequence[str] | None = None) -> ModelDe
         unknown = sorted(set(stacked) - set(names))
         if unknown:
             raise ValueError(f"stacked groups {unknown} are not groups of the module (groups: {sorted(names)})")
-    groups, layer_defs = [], {}
+    groups: list[Group] = []
+    layer_defs: dict[str, tuple[Any, dict[Path, VarSpec]]] = {}
     for name, prefix in sorted(names.items()):
         p_in, o_in = _under(pspecs, prefix), _under(ospecs, prefix)
         n = _layer_count(p_in, o_in, _declared_evidence(_submodule(model, prefix)))
@@ -138,19 +140,19 @@ def describe(model: nnx.Module, stacked: Sequence[str] | None = None) -> ModelDe
                 f"group {name!r} is named in stacked= but its variables do not share one leading "
                 f"(layer) axis: shapes {[s.shape for s in p_in + o_in]}"
             )
-        groups.append(Group(name, prefix, is_stacked, n if is_stacked else 0))
+        groups.append(Group(name, prefix, is_stacked, n if is_stacked and n is not None else 0))
         if is_stacked:
             layer_defs[name] = _layer_def(_submodule(model, prefix), prefix)
     return ModelDef(graphdef, tuple(groups), pspecs, ospecs, layer_defs)
 
 
-def _declared_evidence(node) -> set:
+def _declared_evidence(node) -> set[int | None]:
     """What flax's own layers in ``node`` say: their parameters' declared shapes against the
     actual ones. ``{None}``: a layer holds exactly its declared shape (not a stack); ``{n}``:
     an extra leading axis of ``n`` (a stack). Empty when ``node`` holds no such layer."""
     if not isinstance(node, nnx.Module):
         return set()
-    evidence = set()
+    evidence: set[int | None] = set()
     for _, m in nnx.iter_modules(node):
         for name, declared in _declared_shapes(m).items():
             var = getattr(m, name, None)
@@ -174,7 +176,7 @@ def _declared_shapes(m) -> dict[str, tuple]:
     return {}
 
 
-def _layer_count(params: list[VarSpec], others: list[VarSpec], evidence: set = frozenset()) -> int | None:
+def _layer_count(params: list[VarSpec], others: list[VarSpec], evidence: AbstractSet[int | None] = frozenset()) -> int | None:
     """The layer count if these variables look like a layer stack (see module docstring)."""
     if None in evidence or len(evidence) > 1:
         return None
@@ -203,10 +205,10 @@ def submodule(model, path: Path):
     return _submodule(model, path)
 
 
-def _layer_def(stack: nnx.Module, prefix: Path):
+def _layer_def(stack: nnx.Module, prefix: Path) -> tuple[Any, dict[Path, VarSpec]]:
     """(graphdef, {relative path: VarSpec of ONE layer}) of a layer stack."""
     graphdef, state = nnx.split(stack)
-    specs = {}
+    specs: dict[Path, VarSpec] = {}
     for p, v in nnx.to_flat_state(state):
         s = _spec(p, v)
         specs[tuple(p)] = dataclasses.replace(s, shape=s.shape[1:])
@@ -246,6 +248,7 @@ def set_params(model: nnx.Module, mdef: ModelDef, groups: dict[str, PyTree]) -> 
     state = nnx.state(model, nnx.Param)
     for path, var in nnx.to_flat_state(state):
         g = mdef.group_of(tuple(path))
+        assert g is not None  # describe() made a group of every parameter's path prefix
         node = groups[g.name]
         for k in tuple(path)[len(g.path):]:
             node = node[k]

@@ -140,6 +140,7 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
 def _project_updates(params, updates, state: QSDPState, count, config: QSDPConfig):
     """The base updates replaced by ``projected - params``, and the new grids. A leaf whose
     update is zero everywhere keeps its values and grid."""
+    treedef: Any  # a PyTreeDef: jaxlib ships no stubs for it, so a checker sees no methods
     leaves, treedef = jax.tree_util.tree_flatten(params)
     ups = treedef.flatten_up_to(updates)
     old_s, old_o = treedef.flatten_up_to(state.scales), treedef.flatten_up_to(state.offsets)
@@ -182,6 +183,7 @@ def snap_to_grid(params: PyTree, opt_state: PyTree, config: QSDPConfig) -> PyTre
     st = find_qsdp_state(opt_state)
     if st is None or st.bits is None:
         return params
+    treedef: Any  # a PyTreeDef (see _project_updates)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     out = qgrid.snap(leaves, qgrid.geometries(params, config), treedef.flatten_up_to(st.scales),
                      treedef.flatten_up_to(st.offsets), config)

@@ -94,7 +94,8 @@ def payload_from_packed(packed: jax.Array, scales: jax.Array, offsets: jax.Array
     return jnp.concatenate([packed, stat_bytes_], axis=-1)
 
 
-def split_payload(payload: jax.Array, n: int, bits: int, bucket: int, stats_dtype: str = "float32"):
+def split_payload(payload: jax.Array, n: int, bits: int, bucket: int,
+                  stats_dtype: str = "float32") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Inverse of :func:`payload_from_packed`: ``(packed codes, scales, offsets)``, stats float32."""
     p = qz.packed_size(n, bits)
     nb = n // bucket

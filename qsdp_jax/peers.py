@@ -38,7 +38,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, cast
 
 from jax._src import distributed as jax_distributed
 
@@ -161,11 +161,12 @@ class PeerMonitor:
         self._conns: dict[socket.socket, dict] = {}  # socket -> {"id", "buf", "seen", "done"}
         self._stop = threading.Event()
         self._reported = threading.Lock()  # held by the one report of a lost peer
-        self._wake = None  # a socket pair that interrupts the thread's select
-        self._thread = None
+        self._wake: tuple[socket.socket, socket.socket] | None = None  # interrupts the thread's select
+        self._thread: threading.Thread | None = None
         self._started = False
-        self._server = None
-        self._pending = None  # (when, what): a peer said it stops; lost unless we stop too
+        self._server: socket.socket | None = None
+        # (when, what, relay): a peer said it stops; lost unless we stop too
+        self._pending: tuple[float, str, bool] | None = None
         self.me, self.n = 0, 1
 
     # -- starting ---------------------------------------------------------------------------
@@ -212,7 +213,9 @@ class PeerMonitor:
 
     def _connect(self, client, key: str) -> None:
         port = int(client.blocking_key_value_get(key, int(self.connect_timeout_s * 1000)))
-        host = _host_port(jax_distributed.global_state.coordinator_address)[0]
+        address = jax_distributed.global_state.coordinator_address
+        assert address is not None  # set by jax.distributed.initialize, before its client
+        host = _host_port(address)[0]
         sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
         sock.sendall(f"HELLO {self.me}\n".encode())
         self._add(sock, 0)
@@ -237,13 +240,14 @@ class PeerMonitor:
                     return
                 if sel_key.data == "wake":
                     return
+                sock = cast(socket.socket, sel_key.fileobj)  # only sockets are registered
                 if sel_key.data == "listen":
                     try:
-                        self._add(sel_key.fileobj.accept()[0], None)
+                        self._add(sock.accept()[0], None)
                     except OSError:  # the client went away before we accepted it
                         pass
                 else:
-                    self._read(sel_key.fileobj)
+                    self._read(sock)
             now = time.monotonic()
             if self._pending is not None and now >= self._pending[0]:
                 self._lost(self._pending[1], relay=self._pending[2])
@@ -345,8 +349,8 @@ class PeerMonitor:
         self.fail("the process exited; its output says why")
 
     def _close(self, message: bytes) -> None:
-        if self._thread is None or self._stop.is_set():
-            return
+        if self._thread is None or self._wake is None or self._stop.is_set():
+            return  # (start() makes the socket pair before the thread)
         self._stop.set()
         self._wake[1].send(b"x")
         self._thread.join(timeout=5)

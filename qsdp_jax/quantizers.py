@@ -249,6 +249,7 @@ def quantize(
     if bucket_ids is None:
         bucket_ids = default_bucket_ids(x.shape, bucket)
     if rounding == "shift":
+        assert key is not None  # checked above: every rounding but "nearest" has a key
         xi = hash_uniform(key, bucket_ids)
         offsets = jnp.where(exact, lo, lo - unfused(xi * scales, scales))
     else:
@@ -256,6 +257,7 @@ def quantize(
     inv = _inverse(scales)[..., None]
     t = (xb - offsets[..., None]) * inv
     if rounding == "stochastic":
+        assert key is not None  # checked above
         counters = bucket_ids[..., None] * jnp.uint32(bucket) + jnp.arange(bucket, dtype=jnp.uint32)
         u = hash_uniform(key, counters)
         q = jnp.floor(unfused(t, u) + u)
@@ -345,8 +347,8 @@ def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
     m = packed.shape[-1] // bits
     g = packed.reshape(*lead, m, bits)
     one = jnp.uint8(1)
-    codes = [_or_all([((g[..., j] >> jnp.uint8(k)) & one) << jnp.uint8(j) for j in range(bits)]) for k in range(8)]
-    return jnp.stack(codes, axis=-1).reshape(*lead, m * 8)[..., :n]
+    planes = [_or_all([((g[..., j] >> jnp.uint8(k)) & one) << jnp.uint8(j) for j in range(bits)]) for k in range(8)]
+    return jnp.stack(planes, axis=-1).reshape(*lead, m * 8)[..., :n]
 
 
 def unpack_groups(packed: jax.Array, bits: int) -> jax.Array:

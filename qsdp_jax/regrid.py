@@ -10,7 +10,7 @@ each weight moves by at most half a grid step, and from there the gather is loss
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -46,10 +46,12 @@ def regrid(state, paths: Sequence[str], config: QSDPConfig, mesh: Mesh):
 
     def fn(params, opt_state):
         with qgrid.layout_context(layout, mesh, config.shard_axes):
+            treedef: Any  # a PyTreeDef: jaxlib ships no stubs for it, so a checker sees no methods
             leaves, treedef = jax.tree_util.tree_flatten(params)
             geos = [g if x.path in wanted else dataclasses.replace(g, bits=None)
                     for g, (_, x) in zip(qgrid.geometries(params, config), layout.leaves())]
             st = qoptim.find_qsdp_state(opt_state)
+            assert st is not None  # grids (hence moved ones) exist only with a QSDPState
             values, scales, offsets = qgrid.project(leaves, geos, config, st.count, rounding="nearest")
         pick = lambda new, old: [o if n is None or g.bits is None else n  # noqa: E731
                                  for n, o, g in zip(new, old, geos)]

@@ -244,7 +244,10 @@ class ParamLayout:
         unknown = set(stacked) - set(params)
         if unknown:
             raise ValueError(f"stacked groups {sorted(unknown)} are not in params (groups: {sorted(params)})")
-        groups, sharded_paths, replicated_paths, undivided = [], [], [], []
+        groups: list[GroupLayout] = []
+        sharded_paths: list[str] = []
+        replicated_paths: list[str] = []
+        undivided: list[str] = []
         for name in sorted(params):
             g = _group_layout(name, params[name], name in stacked, num_shards, bucket, min_shard_size,
                               bit_policy, default_bits, undivided)
@@ -351,7 +354,8 @@ def _group_layout(name, tree, is_stacked, n, bucket, min_shard_size, bit_policy,
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     paths = policy.tree_paths(name, tree)
     n_layers = _layer_count(name, leaves) if is_stacked else 0
-    out, by_bits = [], {}
+    out: list[LeafLayout] = []
+    by_bits: dict[policy.Bits | None, list[LeafLayout]] = {}  # None: the config's bits
     for i, leaf in enumerate(leaves):
         shape = tuple(np.shape(leaf)[1:] if is_stacked else np.shape(leaf))
         size, dtype = math.prod(shape), _dtype(leaf)
@@ -378,13 +382,14 @@ def _group_layout(name, tree, is_stacked, n, bucket, min_shard_size, bit_policy,
 
 
 def _layer_count(name: str, leaves) -> int:
-    dims = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-    if len(dims) != 1 or None in dims:
+    dims: set[int | None] = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+    leading = next(iter(dims)) if len(dims) == 1 else None
+    if leading is None:
         raise ValueError(
             f"stacked group {name!r} needs the same leading layer axis on every leaf, "
             f"got leading dims {sorted(map(str, dims))}"
         )
-    return dims.pop()
+    return leading
 
 
 def _dtype(x) -> np.dtype:

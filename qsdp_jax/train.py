@@ -161,7 +161,9 @@ def abstract_train_state(
     opt_state = jax.tree.map(with_sharding, opt_state,
                              opt_state_shardings(opt_state, p, layout, mesh, config.shard_axes))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-    return TrainState(step=step, params=p, opt_state=opt_state, layout=layout)
+    # an abstract state: the TrainState pytree with ShapeDtypeStruct leaves (what jax.eval_shape
+    # gives), which the field types, written for concrete states, do not cover
+    return TrainState(step=step, params=p, opt_state=opt_state, layout=layout)  # type: ignore[arg-type]
 
 
 def _layout(params, mesh: Mesh, config: QSDPConfig, stacked: Sequence[str]) -> ParamLayout:
@@ -225,8 +227,9 @@ def make_train_step(
     has_aux: bool = False,
     aux_out_spec: Any = None,
     donate: bool = True,
-) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
-    """A jitted ``step(state, batch) -> (state, metrics)`` (see the module docstring).
+) -> Callable[[TrainState, PyTree], tuple[Any, ...]]:
+    """A jitted ``step(state, batch) -> (state, metrics)`` (see the module docstring), or
+    ``-> (state, metrics, aux)`` with ``has_aux``.
 
     Args:
       loss_fn: ``loss_fn(p, batch)`` with ``p`` a ``ParamAccess``; returns the mean loss over the

@@ -83,7 +83,7 @@ class StepWatchdog:
         self.exit_code = exit_code
         self.what = what
         self._exit = _exit
-        self._last = None  # (monotonic time, step) of the last beat
+        self._last: tuple[float, int] | None = None  # (monotonic time, step) of the last beat
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="qsdp-step-watchdog", daemon=True)
         self._thread.start()
@@ -119,12 +119,13 @@ class StepWatchdog:
 
     def _fire(self, step: int, happened: str) -> None:
         saved = "No save attempted"
-        if self.on_timeout is not None:
+        on_timeout = self.on_timeout
+        if on_timeout is not None:
             result: list[str] = []
 
             def attempt():
                 try:
-                    result.append(self.on_timeout())
+                    result.append(on_timeout())
                 except BaseException as e:  # noqa: BLE001 - reported below
                     result.append(f"The save failed: {type(e).__name__}: {str(e).rstrip('.')}"
                                   f"{_where(e)}")

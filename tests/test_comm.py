@@ -169,6 +169,27 @@ def test_report_accepts_plain_and_compiled(mesh):
         comm_report(compiled, x)
 
 
+def test_report_on_a_backend_without_hlo_text_says_so(mesh):
+    """Compiled.as_text() is None where a backend has no text view: a clear error, not a bare
+    TypeError from joining None."""
+    f = _sm(mesh, lambda a: lax.psum(a, "fsdp"), P("fsdp"), P())
+    compiled = f.lower(jnp.zeros((N * 4,), jnp.float32)).compile()
+
+    class NoText:  # a jitted function whose compiled form has no text view
+        def lower(self, *args):
+            return self
+
+        def compile(self):
+            return self
+
+        def as_text(self):
+            return None
+
+    with pytest.raises(NotImplementedError, match="no HLO text"):
+        comm_report(NoText())
+    assert comm_report(compiled).total_bytes > 0
+
+
 # ----------------------------------------------------------------------------------------------
 # Hand-written HLO text
 
