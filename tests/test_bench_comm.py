@@ -1,10 +1,10 @@
-"""experiments.bench_comm: structure, ratios and HLO-vs-formula agreement on the tiny preset."""
+"""experiments.bench.comm: structure, ratios and HLO-vs-formula agreement on the tiny preset."""
 
 import json
 
 import pytest
 
-from experiments import bench_comm
+from experiments.bench import comm as bench_comm
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests for experiments.bench_network and experiments.network_workload.
+"""Tests for experiments.bench.network and experiments.shelf.network_workload.
 
 In-process pieces run on the 8 simulated devices of the test session; one end-to-end run goes
 through 2 real jax.distributed processes without a namespace (tiny model, 2 timed repeats).
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from experiments import bench_network as bn
-from experiments import network_workload as nw
-from experiments.multiproc import WorkerError, WorkerTimeout
+from experiments.bench import network as bn
+from experiments.shelf import network_workload as nw
+from experiments.shelf.multiproc import WorkerError, WorkerTimeout
 
 TINY = dict(nw.TINY_MODEL)
 
@@ -188,8 +188,8 @@ def test_parse_bandwidth():
 
 
 def test_cli_exits_cleanly_without_netns_support(monkeypatch, tmp_path, capsys):
-    import experiments.multiproc as mp
-    import experiments.netns as netns
+    import experiments.shelf.multiproc as mp
+    import experiments.shelf.netns as netns
 
     monkeypatch.setattr(netns, "check_netns_support", lambda *a, **k: "network namespaces need root (test)")
 
@@ -217,7 +217,7 @@ _ENV_SIGNS = ("Address already in use", "Failed to add port", "gloo", "Connectio
 @pytest.mark.slow
 def test_end_to_end_two_processes_no_netns(tmp_path, monkeypatch, capsys):
     """The real CLI: 2 jax.distributed processes on the host loopback, tiny model."""
-    import experiments.multiproc as mp
+    import experiments.shelf.multiproc as mp
 
     real = mp.run_processes
     errors = []

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
 import toymodel
-from experiments import bench_comm
+from experiments.bench import comm as bench_comm
 from qsdp_jax import collectives as qc
 from qsdp_jax import optim
 from qsdp_jax import quantizers as qz
@@ -209,9 +209,9 @@ def test_comm_training_with_bf16_stats_quantizes_the_view_and_resumes_exactly(tm
 
 
 def test_grid_walk_shows_why_on_grid_weights_refuse_bf16_stats():
-    """The mechanism behind the refusal (experiments/grid_walk.py): kept on a bf16 grid, the
+    """The mechanism behind the refusal (experiments/convergence/grid_walk.py): kept on a bf16 grid, the
     range ratchets outward; float32 stats and comm mode's fresh quantization do not."""
-    from experiments import grid_walk
+    from experiments.convergence import grid_walk
 
     walks = {f"{m}/{s}": grid_walk.walk(m, s, 4, 64, 300, 3e-4, rows=16)[300] for m, s in grid_walk.MODES}
     runs = {k: v[0] for k, v in walks.items()}  # range ratios

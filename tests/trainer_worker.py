@@ -1,8 +1,8 @@
-"""Worker for tests/test_trainer_cluster.py, run in each process by experiments.multiproc:
+"""Worker for tests/test_trainer_cluster.py, run in each process by experiments.shelf.multiproc:
 trainer CLI runs, one after the other; returns this process's view of each."""
 import jax
 
-from experiments import train_gpt as tg
+from experiments.gpt import train as tg
 
 
 def train(argvs: list[list[str]]) -> dict:
@@ -23,8 +23,8 @@ def stop_resume_overwrite(argv: list[str], straight: str, out: str, stop_at: int
     import os
     import signal
 
-    from experiments import trainer as tr
-    from experiments.run_files import Stopped
+    from experiments.gpt import trainer as tr
+    from experiments.gpt.run_files import Stopped
 
     def losses(args):
         return [h.loss for h in tg.run_cli(tg.parse_args(args), print_summary=False).history]
