@@ -259,6 +259,7 @@ def test_summaries_show_the_bits():
 
 
 def test_trainer_flag_parses_and_errors_clearly():
+    from experiments.gpt.arg_types import parse_bit_policy
     from experiments.gpt.args import CLIError, parse_args, qsdp_kwargs
     from experiments.gpt.setup import build_run_config
 
@@ -270,9 +271,8 @@ def test_trainer_flag_parses_and_errors_clearly():
                      ("=8,8", "expected PATTERN=WEIGHT_BITS,GRAD_BITS"), (";", "no rule")):
         with pytest.raises(SystemExit):
             parse_args(["--bit-policy", bad])
-        from experiments.gpt.args import _bit_policy
         with pytest.raises(Exception, match=msg.replace(".", r"\.").replace("*", r"\*")):
-            _bit_policy(bad)
+            parse_bit_policy(bad)
     with pytest.raises(CLIError, match=r"bit_policy\[0\].*weight_mode='full'"):
         build_run_config(parse_args(["--fp32", "--bit-policy", "embed*=8,8"]))
     cfg, run = build_run_config(parse_args(["--bit-policy", "embed*=8,8"]))

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from experiments.gpt import train as tg
-from experiments.gpt.run_files import MetricsLog, dumps_strict
+from experiments.gpt.files import dumps_strict
+from experiments.gpt.run_files import MetricsLog
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -367,7 +368,7 @@ def test_shakespeare_interrupted_build_leaves_no_file(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data.os, "replace", fail)
+    monkeypatch.setattr(os, "replace", fail)  # the rename of the atomic write
     with pytest.raises(KeyboardInterrupt):
         data.shakespeare_text_path(tmp_path)
     assert list(tmp_path.iterdir()) == []

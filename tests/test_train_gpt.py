@@ -13,6 +13,7 @@ import pytest
 
 import qsdp_jax as q
 from experiments.gpt import demo, train as tg
+from experiments.gpt.report import Progress
 
 DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
 SMALL = ["--d-model", "32", "--n-heads", "2", "--n-layers", "2", "--seq-len", "32", "--batch", "8",
@@ -167,7 +168,7 @@ def test_metrics_survive_a_failed_run(tmp_path, monkeypatch, capsys):
 
 def test_progress_plain_lines_when_not_a_tty():
     stream = io.StringIO()
-    p = tg.Progress(total=100, tokens_per_step=256, stream=stream)
+    p = Progress(total=100, tokens_per_step=256, stream=stream)
     for i in range(100):
         p.update(types.SimpleNamespace(step=i + 1, loss=3.0, seconds=0.01, val_loss=None))
     lines = stream.getvalue().splitlines()

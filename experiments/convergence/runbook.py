@@ -21,7 +21,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from experiments.gpt.run_files import write_atomic  # temp file + fsync + rename
+from experiments.gpt.files import write_atomic  # temp file + fsync + rename
 
 __all__ = [
     "CONFIGS", "DEFAULT_SEEDS", "GROUPS", "LEVERS", "REFERENCE", "ConfigSpec", "Plan", "RunKey",

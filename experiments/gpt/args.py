@@ -1,4 +1,4 @@
-"""Flags of ``python -m experiments.gpt.train``: the parser, the value parsers, and the checks of
+"""Flags of ``python -m experiments.gpt.train``: the parser, the checks of
 flag combinations and of the output directory (:class:`CLIError` on anything invalid).
 
 Imports nothing that uses jax (the number of simulated devices is set before jax starts).
@@ -7,10 +7,18 @@ Imports nothing that uses jax (the number of simulated devices is set before jax
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 
+from experiments.gpt.arg_types import (
+    nonnegative_int,
+    parse_bit_policy,
+    parse_bits,
+    parse_seconds,
+    parse_seed,
+    positive_float,
+    positive_int,
+)
 from experiments.gpt.cluster_args import add_cluster_args, mesh_config_kwargs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -20,86 +28,6 @@ ARTIFACTS = ("config.json", "metrics.jsonl", "summary.json", "loss.png")
 
 class CLIError(Exception):
     """A bad flag, flag combination or environment; reported as an argparse error (exit 2)."""
-
-
-def _bits(text: str):
-    if text.strip().lower() in ("none", "fp", "full"):
-        return "none"
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer 1..8 or 'none', got {text!r}") from None
-    if not 1 <= v <= 8:
-        raise argparse.ArgumentTypeError(f"expected an integer 1..8 or 'none', got {v}")
-    return v
-
-
-def _bit_policy(text: str) -> tuple:
-    """``--bit-policy 'embed*=8,8;blocks/*/kernel=4,none'``: ``;``-separated rules
-    ``PATTERN=WEIGHT_BITS,GRAD_BITS`` (bits 1..8 or none) -> ``QSDPConfig.bit_policy``."""
-    rules = []
-    for i, part in enumerate(p.strip() for p in text.split(";")):
-        if not part:
-            continue
-        pattern, eq, bits = part.rpartition("=")
-        values = [b.strip() for b in bits.split(",")]
-        if not eq or not pattern.strip() or len(values) != 2:
-            raise argparse.ArgumentTypeError(
-                f"rule {i + 1} {part!r}: expected PATTERN=WEIGHT_BITS,GRAD_BITS (bits 1..8 or none), "
-                "rules separated by ';', e.g. 'embed*=8,8;head*=8,none'")
-        try:
-            w, g = (None if _bits(v) == "none" else _bits(v) for v in values)
-        except argparse.ArgumentTypeError as e:
-            raise argparse.ArgumentTypeError(f"rule {i + 1} {part!r}: {e}") from None
-        rules.append((pattern.strip(), w, g))
-    if not rules:
-        raise argparse.ArgumentTypeError(f"no rule in {text!r}: expected e.g. 'embed*=8,8'")
-    return tuple(rules)
-
-
-def _int_at_least(minimum: int, what: str):
-    """An argparse type: an integer >= ``minimum`` (``what`` names that in the message)."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
-        return v
-    return parse
-
-
-_positive = _int_at_least(1, "a positive integer")
-_nonnegative = _int_at_least(0, "an integer >= 0")
-
-
-def _seed(text: str) -> int:
-    v = _nonnegative(text)
-    if v >= 2**32:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    """A finite number > 0 (``nan``, ``inf``, 0 and negative numbers are refused)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return v
-
-
-def _seconds(text: str) -> float:
-    """``--failure-timeout``: a finite number of seconds > 0 (leave the flag out for no bound)."""
-    try:
-        return _positive_float(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number of seconds > 0, got {text!r} (leave the flag out to turn the "
-            "watchdog off)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,25 +50,25 @@ def _add_model_training_args(p: argparse.ArgumentParser) -> None:
     """The model-size and training flags."""
     m = p.add_argument_group("model")
     m.add_argument("--preset", choices=PRESETS, default="tiny", help="model size (default: tiny)")
-    m.add_argument("--d-model", type=_positive, help="override the preset's width")
-    m.add_argument("--n-layers", type=_positive, help="override the preset's depth")
-    m.add_argument("--n-heads", type=_positive, help="override the preset's number of heads")
-    m.add_argument("--seq-len", type=_positive, help="override the preset's context length")
+    m.add_argument("--d-model", type=positive_int, help="override the preset's width")
+    m.add_argument("--n-layers", type=positive_int, help="override the preset's depth")
+    m.add_argument("--n-heads", type=positive_int, help="override the preset's number of heads")
+    m.add_argument("--seq-len", type=positive_int, help="override the preset's context length")
 
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=_positive, default=300, help="training steps (default: 300)")
-    t.add_argument("--batch", type=_positive, default=16,
+    t.add_argument("--steps", type=positive_int, default=300, help="training steps (default: 300)")
+    t.add_argument("--batch", type=positive_int, default=16,
                    help="global batch size in sequences, a multiple of --devices (default: 16)")
-    t.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    t.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (default: 3e-3)")
     t.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
                    help="learning-rate schedule after warmup (default: cosine)")
-    t.add_argument("--warmup", type=_nonnegative, default=None,
+    t.add_argument("--warmup", type=nonnegative_int, default=None,
                    help="linear warmup steps (default: 30, or steps // 10 if that is smaller)")
-    t.add_argument("--seed", type=_seed, default=0,
+    t.add_argument("--seed", type=parse_seed, default=0,
                    help="seed of the initial weights, data order and quantization noise (default: 0)")
-    t.add_argument("--eval-every", type=_positive, default=None,
+    t.add_argument("--eval-every", type=positive_int, default=None,
                    help="validate every N steps and at the end (default: steps // 5)")
-    t.add_argument("--eval-batches", type=_positive, default=8,
+    t.add_argument("--eval-batches", type=positive_int, default=8,
                    help="validation batches per evaluation (default: 8)")
     t.add_argument("--data", default=None, help="a UTF-8 text file to train on (default: Shakespeare)")
 
@@ -148,13 +76,13 @@ def _add_model_training_args(p: argparse.ArgumentParser) -> None:
 def _add_comm_args(p: argparse.ArgumentParser) -> None:
     """The quantization / communication flags and the --fp32 / --bf16 baselines."""
     qz = p.add_argument_group("quantization / communication")
-    qz.add_argument("--weight-bits", type=_bits, default=None, metavar="{1..8,none}",
+    qz.add_argument("--weight-bits", type=parse_bits, default=None, metavar="{1..8,none}",
                     help="bits per weight on the all-gather (default: 8; none with --weight-mode full)")
-    qz.add_argument("--grad-bits", type=_bits, default=None, metavar="{1..8,none}",
+    qz.add_argument("--grad-bits", type=parse_bits, default=None, metavar="{1..8,none}",
                     help="bits per gradient on the reduce-scatter (default: 8)")
-    qz.add_argument("--bucket-size", type=_positive, default=1024,
+    qz.add_argument("--bucket-size", type=positive_int, default=1024,
                     help="elements per quantization bucket, a multiple of 8 (default: 1024)")
-    qz.add_argument("--min-shard-size", type=_nonnegative, default=4096,
+    qz.add_argument("--min-shard-size", type=nonnegative_int, default=4096,
                     help="leaves smaller than this stay replicated in full precision (default: 4096)")
     qz.add_argument("--weight-mode", choices=("qsdp", "comm", "full"), default=None,
                     help="qsdp: weights kept on a shifted grid (default); comm: quantized only "
@@ -164,13 +92,13 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
                     "(the default) or the paper's random shift")
     qz.add_argument("--comm-dtype", choices=("float32", "bfloat16"), default=None,
                     help="dtype of the unquantized collectives (default: float32)")
-    qz.add_argument("--grad-rotation", type=_positive, default=None, metavar="BLOCK",
+    qz.add_argument("--grad-rotation", type=positive_int, default=None, metavar="BLOCK",
                     help="rotate gradient chunks blockwise by a randomized Hadamard transform before "
                     "quantizing (a power of 2 dividing --bucket-size; default: off)")
     qz.add_argument("--stats-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype of the per-bucket scale and offset on the wire (default: float32; "
                     "bfloat16 halves their bytes; comm and full weight modes only)")
-    qz.add_argument("--bit-policy", type=_bit_policy, default=(), metavar="'PAT=W,G;...'",
+    qz.add_argument("--bit-policy", type=parse_bit_policy, default=(), metavar="'PAT=W,G;...'",
                     help="per-leaf bits by parameter path, first match wins: e.g. "
                     "'embed*=8,8' keeps the embeddings at 8-bit weights and gradients (bits 1..8 "
                     "or none; patterns are fnmatch on 'group/key/...' paths, see qsdp_jax.policy)")
@@ -184,10 +112,10 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
 def _add_output_checkpoint_args(p: argparse.ArgumentParser) -> None:
     """The devices / output and checkpoint flags."""
     o = p.add_argument_group("environment / output")
-    o.add_argument("--devices", type=_positive, default=None,
+    o.add_argument("--devices", type=positive_int, default=None,
                    help="use the first N devices (default: all; on a machine with only a CPU, "
                    "N simulated CPU devices, default 8)")
-    o.add_argument("--simulate-devices", type=_positive, default=None, metavar="N",
+    o.add_argument("--simulate-devices", type=positive_int, default=None, metavar="N",
                    help="run on N simulated CPU devices even where a GPU/TPU is present")
     o.add_argument("--out", type=Path, default=None,
                    help="output directory (default: runs/<preset>-<config>-<timestamp>)")
@@ -202,13 +130,13 @@ def _add_output_checkpoint_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--checkpoint-dir", type=Path, default=None,
                    help="where checkpoints go (default: <out>/checkpoints when --checkpoint-every "
                    "or --resume is given)")
-    c.add_argument("--checkpoint-every", type=_positive, default=None,
+    c.add_argument("--checkpoint-every", type=positive_int, default=None,
                    help="save every N steps, asynchronously (and always on SIGTERM/SIGINT and at the end)")
-    c.add_argument("--keep", type=_positive, default=3, help="complete checkpoints kept (default: 3)")
+    c.add_argument("--keep", type=positive_int, default=3, help="complete checkpoints kept (default: 3)")
     c.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint (start fresh when there is none); "
                    "metrics continue the same metrics.jsonl")
-    c.add_argument("--failure-timeout", type=_seconds, default=None, metavar="S",
+    c.add_argument("--failure-timeout", type=parse_seconds, default=None, metavar="S",
                    help="exit (status 75, after trying to save) when no step finishes for S seconds "
                    "or a collective fails, e.g. a peer process died (default: off; S > 0; 60 is a good "
                    "bound for multi-process runs)")

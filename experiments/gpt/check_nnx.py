@@ -49,7 +49,7 @@ def check(name: str, args) -> dict:
     import jax
 
     import qsdp_jax as q
-    from experiments.gpt.trainer import RunConfig, Trainer
+    from experiments.gpt.trainer import RunConfig, Trainer  # imports jax: after simulate_cpu_devices
 
     run = RunConfig(qsdp=q.QSDPConfig.from_name(name), preset=args.preset, steps=args.steps,
                     batch_size=args.batch, data_path=args.data)

@@ -21,35 +21,35 @@ import math
 import os
 from pathlib import Path
 
+from experiments.gpt.arg_types import nonnegative_int, parse_bits, positive_float, positive_int
+
 OUTER_AXES = {"node": "node_axis", "replica": "replica_axis"}
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     """Add the mesh / per-level bits / distributed flags to ``p``."""
-    from experiments.gpt.args import _bits, _nonnegative, _positive, _positive_float
-
     g = p.add_argument_group("mesh / cluster")
     g.add_argument("--mesh", default="fsdp", metavar="SPEC",
                    help="fsdp (1-D, default), node=2,local=4 (hierarchical FSDP, two-stage "
                    "collectives) or replica=2,fsdp=4 (hybrid sharding); sizes may be left out "
                    "(node,local): the outer one is then the number of processes")
-    g.add_argument("--inter-weight-bits", type=_bits, default=None, metavar="{1..8,none}",
+    g.add_argument("--inter-weight-bits", type=parse_bits, default=None, metavar="{1..8,none}",
                    help="weight bits on the outer level (default: --weight-bits); 2-D meshes only")
-    g.add_argument("--inter-grad-bits", type=_bits, default=None, metavar="{1..8,none}",
+    g.add_argument("--inter-grad-bits", type=parse_bits, default=None, metavar="{1..8,none}",
                    help="gradient bits on the outer level (default: --grad-bits); 2-D meshes only")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="process 0's address for jax.distributed (or QSDP_COORDINATOR; not "
                    "needed under SLURM srun or on a TPU pod)")
-    g.add_argument("--num-processes", type=_positive, default=None,
+    g.add_argument("--num-processes", type=positive_int, default=None,
                    help="number of processes (or QSDP_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=_nonnegative, default=None,
+    g.add_argument("--process-id", type=nonnegative_int, default=None,
                    help="this process's id, 0..N-1 (or QSDP_PROCESS_ID)")
     g.add_argument("--process-logs", type=Path, default=None, metavar="DIR",
                    help="every process logs to DIR/process_<i>.log")
-    g.add_argument("--init-timeout", type=_positive, default=None, metavar="S",
+    g.add_argument("--init-timeout", type=positive_int, default=None, metavar="S",
                    help="seconds the processes wait for each other at start, then each says "
                    "what is wrong and exits with status 69 (or QSDP_INIT_TIMEOUT_S; default 60)")
-    g.add_argument("--peer-timeout", type=_positive_float, default=10.0, metavar="S",
+    g.add_argument("--peer-timeout", type=positive_float, default=10.0, metavar="S",
                    help="a process that dies or exits early ends the others at once, one that "
                    "sends no heartbeat for S seconds (frozen, network down) after S: each says "
                    "which process and exits with status 75 (default: 10)")

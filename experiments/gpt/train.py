@@ -22,41 +22,26 @@ imports nothing that uses jax at the top: :func:`run_cli` sets ``XLA_FLAGS`` fir
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
 import sys
 import time
+from pathlib import Path
 
+from experiments.gpt import data as textdata
+from experiments.gpt.args import CLIError, build_parser
 from experiments.gpt.devices import describe_devices
-from experiments.gpt.run_files import Stopped, dumps_strict, open_checkpoints, resume_step, train_loop, write_atomic
-from experiments.gpt.args import (  # noqa: F401  (re-exported: the CLI's names live here)
-    ARTIFACTS,
-    PRESETS,
-    REPO_ROOT,
-    RUNS_DIR,
-    CLIError,
-    _bits,
-    _positive,
-    build_parser,
-    check_out_dir,
-    default_out,
-    parse_args,
-    qsdp_kwargs,
-)
-from experiments.gpt.report import Progress, _hms, _num, plot_loss, summary_text  # noqa: F401
-from experiments.gpt.setup import (  # noqa: F401
-    build_run_config,
-    fp32_wire_bytes,
-    prepare_run,
-    select_devices,
-    setup_devices,
-)
-
+from experiments.gpt.files import dumps_strict, write_atomic
+from experiments.gpt.report import Progress, _num, plot_loss, summary_text
+from experiments.gpt.run_files import MetricsLog, RunCheckpoints, Stopped, StopSignals, open_checkpoints, resume_step
+from experiments.gpt.setup import finish_peers, fp32_wire_bytes, prepare_run
 
 def _set_up_trainer(args, devices, cfg, run):
     """The Trainer for ``run`` (compiles nothing yet); CLIError when the data cannot feed it."""
-    from qsdp_jax import distributed
+    from qsdp_jax import distributed  # imports jax: after prepare_run set the device flags
 
-    from experiments.gpt import trainer as tr
+    from experiments.gpt import trainer as tr  # imports jax, likewise
 
     if not args.quiet:
         distributed.main_print(
@@ -66,8 +51,6 @@ def _set_up_trainer(args, devices, cfg, run):
     try:
         trainer = tr.Trainer(run, devices)
         # Evaluation batches are drawn lazily by the trainer: check the split holds one now.
-        from experiments.gpt import data as textdata
-
         seq = trainer.model.cfg.seq_len
         textdata.eval_batches(trainer.dataset.val, run.batch_size, seq, run.eval_batches)
     except (ValueError, FileNotFoundError) as e:
@@ -111,11 +94,78 @@ def _write_results(args, cfg, out, summary, history, report, trainer, print_summ
             print(summary_text(summary, report.table()))
 
 
+def _watchdog(trainer, ckpts, timeout_s):
+    """A StepWatchdog whose save attempt writes a checkpoint of the trainer's state."""
+    from qsdp_jax.watchdog import StepWatchdog, save_or_explain  # imports jax
+
+    def try_save():
+        if ckpts is None:
+            return "No --checkpoint-dir: nothing saved"
+        return save_or_explain(lambda: ckpts.save(trainer, force=True) and ckpts.ckpt.wait(),
+                               trainer.state, ckpts.latest_step)
+
+    return StepWatchdog(timeout_s, on_timeout=try_save, what="the trainer")
+
+
+def train_loop(trainer, out: Path, start: int, progress, ckpts: RunCheckpoints | None,
+               failure_timeout: float | None = None, write_metrics: bool = True) -> list:
+    """Train from ``start`` to the end, streaming metrics and saving checkpoints; the full
+    history (earlier rows of a resumed run included). Raises :class:`Stopped` on SIGTERM/SIGINT
+    after saving. With ``failure_timeout``, a :class:`qsdp_jax.watchdog.StepWatchdog` ends the
+    process (status 75) when no step finishes for that long or a collective fails."""
+    import jax  # after prepare_run set the device flags
+
+    from experiments.gpt.trainer import StepLog  # imports jax, likewise
+
+    log = MetricsLog(out / "metrics.jsonl", start, write=write_metrics)  # process 0 writes
+    history = [StepLog(**r) for r in log.rows]
+    dog = _watchdog(trainer, ckpts, failure_timeout) if failure_timeout is not None else None
+    with StopSignals() as stop, (dog or contextlib.nullcontext()):
+        try:
+            steps = trainer.steps()
+            while True:
+                try:
+                    entry = next(steps)
+                except StopIteration:
+                    break
+                except jax.errors.JaxRuntimeError as e:
+                    if dog is None:
+                        raise
+                    dog.fail(e)
+                if dog is not None:
+                    dog.beat(entry.step)
+                history.append(entry)
+                log.append(dataclasses.asdict(entry))
+                progress.update(entry)
+                if ckpts is not None:
+                    ckpts.save(trainer)
+                if stop.received:
+                    break
+        except BaseException:
+            if progress.tty and progress.enabled:
+                sys.stderr.write("\n")
+            print(f"training stopped at step {len(history)}/{trainer.run.steps}; the metrics so far "
+                  f"are in {out / 'metrics.jsonl'}", file=sys.stderr)
+            raise
+        finally:
+            log.close()
+        if ckpts is not None:
+            ckpts.finish(trainer)
+    finish_peers()  # the collectives are over: this process may exit before the others
+    if stop.received:
+        step = int(trainer.state.step)
+        where = (f"saved checkpoint {ckpts.directory}/{step}; continue with --resume" if ckpts is not None
+                 else "no --checkpoint-dir: the weights are not saved")
+        raise Stopped(f"{stop.received} at step {step}/{trainer.run.steps}: {where}",
+                      128 + int(getattr(signal.Signals, stop.received)))
+    return history
+
+
 def run_cli(args, *, print_summary: bool = True):
     """Run the training the flags describe; returns the RunResult. CLIError on bad flags or
     environment, before anything is written."""
     devices, main, cfg, run, out = prepare_run(args)
-    from experiments.gpt import trainer as tr
+    from experiments.gpt import trainer as tr  # imports jax: after prepare_run set the device flags
 
     t_start = time.perf_counter()
     trainer = _set_up_trainer(args, devices, cfg, run)

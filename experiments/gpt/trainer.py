@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Callable, Iterator
 
 import jax
@@ -274,15 +273,3 @@ def summarise(trainer: Trainer, history: list[StepLog], report, wall_s: float, c
         wall_s=wall_s,
         nonfinite_steps=sum(h.nonfinite for h in history),
     )
-
-
-def write_jsonl(path: Path, rows) -> None:
-    """One strict-JSON line per row (NaN / inf as strings, see ``run_files.dumps_strict``)."""
-    from experiments.gpt.run_files import dumps_strict
-
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(dumps_strict(r) + "\n")
-    tmp.replace(path)
