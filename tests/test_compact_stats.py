@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
 import toymodel
-from experiments.bench import comm as bench_comm
+from experiments.shelf import wire_bytes
 from qsdp_jax import collectives as qc
 from qsdp_jax import optim
 from qsdp_jax import quantizers as qz
@@ -145,7 +145,7 @@ def test_hlo_bytes_equal_the_formula_and_shrink():
     """Invariant 4 on the tiny GPT: bf16 stats count 4 bytes per bucket, and the HLO agrees."""
     cfgs = [q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, bucket_size=256, stats_dtype=s)
             for s in ("float32", BF)]
-    r = bench_comm.measure("tiny", cfgs, n_devices=8, batch_size=16)["schemes"]
+    r = wire_bytes.measure("tiny", cfgs, n_devices=8, batch_size=16)["schemes"]
     f32, bf = r["comm-W4G4"], r["comm-W4G4-bf16stats"]
     for rec in (f32, bf):
         assert abs(rec["formula_rel_diff"]) < 0.01, rec

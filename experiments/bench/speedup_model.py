@@ -12,7 +12,7 @@ What is measured and what is modelled
    ``experiments.gpt.model``) and each scheme the real train step is compiled, never run, from an
    abstract state (``qsdp_jax.abstract_train_state``) on ``--devices`` simulated CPU devices,
    and ``qsdp_jax.comm.comm_report`` counts the bytes one device sends per step
-   (``experiments.bench.comm.measure``; all collectives: gathers, reduce-scatters and the small
+   (``experiments.shelf.wire_bytes.measure``; all collectives: gathers, reduce-scatters and the small
    all-reduce of replicated leaves). The batch is ``devices x seq_len``: the collective bytes of
    FSDP do not depend on the batch.
 2. **Scaling to N GPUs (analytic).** In ring FSDP every collective moves ``(N-1)/N`` (twice
@@ -89,6 +89,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from experiments.gpt.devices import simulate_cpu_devices
+from experiments.shelf import wire_bytes
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results"
 DEFAULT_MODELS = ("gpt-125m", "gpt-350m", "gpt-1.3b")
@@ -361,12 +362,10 @@ def check_table(check: dict) -> str:
 # Measurement, output
 # ----------------------------------------------------------------------------------------------
 def measure_models(models: Sequence[str], schemes: Sequence[str], n_devices: int, bucket: int) -> dict:
-    """Compile each model abstractly and count bytes (``experiments.bench.comm.measure``)."""
-    from experiments.bench import comm as bench_comm
-
+    """Compile each model abstractly and count bytes (``experiments.shelf.wire_bytes.measure``)."""
     out = {}
     for model in models:  # batch: n_devices sequences (the bytes do not depend on it)
-        res = bench_comm.measure(model, schemes, n_devices=n_devices, bucket=bucket,
+        res = wire_bytes.measure(model, schemes, n_devices=n_devices, bucket=bucket,
                                  batch_size=n_devices, verbose=True)
         out[model] = {
             "n_params": res["n_params"],

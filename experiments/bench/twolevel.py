@@ -32,14 +32,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.bench.network import (
-    _bw_label,
-    _clean_floats,
-    _write_json,
+from experiments.shelf import multiproc, netns  # as modules, like experiments.bench.network
+from experiments.shelf.network_results import (
     assemble_results,
+    bw_label,
+    clean_floats,
     format_table,
     parse_bandwidth,
+    write_json,
 )
+from experiments.shelf.network_workload import DEFAULT_MODEL
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "network_twolevel.json"
 WORKLOAD = "experiments.shelf.twolevel_workload"
@@ -91,7 +93,7 @@ def step_table(doc: Mapping[str, Any], axis_bytes: Mapping[str, Mapping[str, flo
             f"{'vs fp32':>8} {'inter-node MB':>14} {'ideal inter [s]':>16}")
     lines = [head, "-" * len(head)]
     for b in doc["bandwidths"]:
-        label = _bw_label(b["bandwidth_mbit"])
+        label = bw_label(b["bandwidth_mbit"])
         if "error" in b:
             lines.append(f"{label:<12} FAILED: {b['error'].splitlines()[0][:100]}")
             continue
@@ -106,38 +108,33 @@ def step_table(doc: Mapping[str, Any], axis_bytes: Mapping[str, Mapping[str, flo
 
 
 def _measure(bw, args, kwargs) -> dict[str, Any]:
-    from experiments.shelf.multiproc import run_processes
-    from experiments.shelf.netns import HOST_ADDR, shaped_namespace, veth_namespaces
-
     t0 = time.perf_counter()
     if args.no_netns:
-        procs = run_processes(WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
-                              devices_per_process=args.devices_per_process, timeout_s=args.timeout)
+        procs = multiproc.run_processes(WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
+                                        devices_per_process=args.devices_per_process, timeout_s=args.timeout)
         return {"bandwidth_mbit": None, "netns": None, "processes": procs,
                 "wall_s": time.perf_counter() - t0}
     if args.link == "loopback":  # bench.network's setup: every byte through one shaped queue
-        with shaped_namespace(name_prefix="qsdp2lvl", rate_mbit=bw, mtu=args.mtu,
-                              burst_kb=args.burst_kb) as ns:
-            procs = run_processes(WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
-                                  devices_per_process=args.devices_per_process, netns=ns,
-                                  timeout_s=args.timeout)
+        with netns.shaped_namespace(name_prefix="qsdp2lvl", rate_mbit=bw, mtu=args.mtu,
+                                    burst_kb=args.burst_kb) as ns:
+            procs = multiproc.run_processes(WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
+                                            devices_per_process=args.devices_per_process, netns=ns,
+                                            timeout_s=args.timeout)
             names = ns.name
     else:  # one namespace per process: only inter-process (inter-node) traffic is shaped
-        addrs = [HOST_ADDR.format(i + 1) for i in range(args.num_processes)]
+        addrs = [netns.HOST_ADDR.format(i + 1) for i in range(args.num_processes)]
         env = {"QSDP_COORDINATOR_HOST": addrs[0], "QSDP_GLOO_HOSTS": ",".join(addrs)}
-        with veth_namespaces(args.num_processes, rate_mbit=bw, name_prefix="qsdp2lvl",
-                             mtu=args.mtu, burst_kb=args.burst_kb) as hosts:
-            procs = run_processes(WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
-                                  devices_per_process=args.devices_per_process, netns=hosts,
-                                  timeout_s=args.timeout, extra_env=env)
+        with netns.veth_namespaces(args.num_processes, rate_mbit=bw, name_prefix="qsdp2lvl",
+                                   mtu=args.mtu, burst_kb=args.burst_kb) as hosts:
+            procs = multiproc.run_processes(WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
+                                            devices_per_process=args.devices_per_process, netns=hosts,
+                                            timeout_s=args.timeout, extra_env=env)
             names = [h.name for h in hosts]
     return {"bandwidth_mbit": bw, "netns": names, "processes": procs,
             "wall_s": time.perf_counter() - t0}
 
 
 def _parser() -> argparse.ArgumentParser:
-    from experiments.shelf.network_workload import DEFAULT_MODEL
-
     p = argparse.ArgumentParser(prog="python -m experiments.bench.twolevel",
                                 description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -162,16 +159,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from experiments.shelf.network_workload import DEFAULT_MODEL
-
     args = _parser().parse_args(argv)
     bws = list(dict.fromkeys(parse_bandwidth(b) for b in args.bandwidths))
     if args.no_netns:
         bws = [None]
     else:
-        from experiments.shelf.netns import check_netns_support
-
-        reason = check_netns_support()
+        reason = netns.check_netns_support()
         if reason is not None:
             print(f"bench.twolevel: shaped namespaces unavailable ({reason}); nothing measured",
                   file=sys.stderr)
@@ -181,12 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                   repeats=args.repeats, warmup=args.warmup)
     measurements, failed, t0 = [], False, time.perf_counter()
     for bw in bws:
-        print(f"[bench.twolevel] {_bw_label(bw)}: starting...", flush=True)
+        print(f"[bench.twolevel] {bw_label(bw)}: starting...", flush=True)
         try:
             measurements.append(_measure(bw, args, kwargs))
         except Exception as e:  # noqa: BLE001 - record and go on
             failed = True
-            print(f"[bench.twolevel] {_bw_label(bw)} FAILED:\n{e}", file=sys.stderr, flush=True)
+            print(f"[bench.twolevel] {bw_label(bw)} FAILED:\n{e}", file=sys.stderr, flush=True)
             measurements.append({"bandwidth_mbit": bw, "error": f"{type(e).__name__}: {e}"})
     ok = [m for m in measurements if "processes" in m]
     axis_bytes = ({n: c["bytes_by_axis"] for n, c in ok[0]["processes"][0]["configs"].items()}
@@ -207,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = assemble_results(measurements, meta)
     doc.pop("targets", None)  # bench.network's 1-D targets do not apply here
     doc["twolevel_targets"] = evaluate(doc, axis_bytes)
-    doc = _clean_floats(doc)
+    doc = clean_floats(doc)
     print()
     if args.link == "loopback" or args.no_netns:
         print(format_table(doc))
@@ -220,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(axis_table(axis_bytes))
     print()
     print("targets:", doc["twolevel_targets"])
-    _write_json(args.out, doc)
+    write_json(args.out, doc)
     print(f"\nwrote {args.out}")
     return 1 if failed else 0
 

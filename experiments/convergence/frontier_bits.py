@@ -2,7 +2,7 @@
 
 One compile per configuration, no training: ``32 * wire bytes / fp32 FSDP wire bytes`` (the
 definition of ``experiments.convergence.frontier``), with the HLO-vs-formula check of
-``experiments.bench.comm``.
+``experiments.shelf.wire_bytes``.
 
     python -m experiments.convergence.frontier_bits --preset small --group frontier
 """
@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+
+from experiments.convergence.runbook import CONFIGS
+from experiments.gpt.devices import simulate_cpu_devices
+from experiments.shelf import wire_bytes
 
 
 def main(argv=None) -> int:
@@ -23,16 +26,12 @@ def main(argv=None) -> int:
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--out", default=None, help="write the JSON record here")
     a = p.parse_args(argv)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={a.devices}").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import qsdp_jax as q
-    from experiments.bench import comm as bench_comm
-    from experiments.convergence.runbook import CONFIGS
+    simulate_cpu_devices(a.devices)
+    import qsdp_jax as q  # after the device count is set
 
     names = a.only or [n for n, s in CONFIGS.items() if s.group == a.group]
     cfgs = [q.QSDPConfig(**CONFIGS[n].qsdp) for n in names]
-    measure = lambda c: bench_comm.measure(a.preset, [c], n_devices=a.devices, batch_size=16)  # noqa: E731
+    measure = lambda c: wire_bytes.measure(a.preset, [c], n_devices=a.devices, batch_size=16)  # noqa: E731
     fp32 = measure(q.QSDPConfig.fp32())["schemes"]["fp32"]["total_bytes"]
     rows = {}
     for n, c in zip(names, cfgs):  # one call each: config names do not carry the bucket size

@@ -5,7 +5,7 @@
 * :func:`twolevel_benchmark`: the ``experiments.shelf.network_workload`` benchmark on a
   ``("node", "local")`` mesh with two-level configs, plus the wire bytes per mesh axis of
   every compiled step (``bytes_by_axis``); its result has the shape
-  ``experiments.bench.network.assemble_results`` reads.
+  ``experiments.shelf.network_results.assemble_results`` reads.
 
 Configs are given as JSON-friendly specs: ``{"name": "qsdp-W4G8", "inter_grad_bits": 4, ...}``
 (``name`` as in ``QSDPConfig.from_name``, the other keys are ``QSDPConfig`` fields). Batches
@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from experiments.shelf.network_workload import TINY_MODEL, _optimizer, gpt_config
+from experiments.shelf.network_workload import DEFAULT_MODEL, TINY_MODEL, _optimizer, gpt_config
 from experiments.shelf.timing import time_alternating
 
 __all__ = [
@@ -93,7 +93,7 @@ def train_losses(
     import numpy as np
 
     import qsdp_jax as q
-    from experiments.gpt.model import GPT
+    from experiments.gpt.model import GPT  # imports jax: the parent process imports this module without
 
     mesh = _mesh(mesh_axes)
     cfg = config_from_spec(config or {"name": "fp32"}, seed=seed)
@@ -166,8 +166,7 @@ def twolevel_benchmark(
     import numpy as np
 
     import qsdp_jax as q
-    from experiments.gpt.model import GPT
-    from experiments.shelf.network_workload import DEFAULT_MODEL
+    from experiments.gpt.model import GPT  # imports jax: the parent process imports this module without
     from qsdp_jax import comm
 
     model = dict(DEFAULT_MODEL if model is None else model)
