@@ -89,7 +89,7 @@ def time_step(out_dir: Path, preset: str = "small", batch: int = 8, repeats: int
     import optax
 
     import qsdp_jax as q
-    from experiments.gpt.model import GPT, GPTConfig
+    from experiments.gpt.model import GPT, GPTConfig  # imports jax, like every function here
 
     model = GPT(GPTConfig.from_preset(preset))
     seq = model.cfg.seq_len

@@ -30,6 +30,8 @@ import platform
 import sys
 from pathlib import Path
 
+from experiments.shelf.timing import time_alternating
+
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results"
 CHUNKS = 8
 TARGET_GPU_VS_COPY = 0.8
@@ -145,8 +147,6 @@ def stage_passes(n: int, bucket: int):
 def measure(args) -> dict:
     import jax
     import numpy as np
-
-    from experiments.shelf.timing import time_alternating
 
     rows = []
     load_before = os.getloadavg()  # the machine may be shared: say how busy it was

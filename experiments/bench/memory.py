@@ -86,8 +86,8 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
     import optax
 
     import qsdp_jax as q
-    from experiments.shelf import gspmd_fsdp
-    from experiments.gpt.model import GPT, GPTConfig
+    from experiments.gpt.model import GPT, GPTConfig  # imports jax: after simulate_cpu_devices
+    from experiments.shelf import gspmd_fsdp  # imports jax, likewise
     from qsdp_jax import optim
 
     devices = jax.devices()

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from experiments.gpt.devices import simulate_cpu_devices
+from experiments.shelf.timing import format_results, time_alternating
 
 GSPMD = "gspmd"
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results"
@@ -64,9 +65,8 @@ def main(argv=None) -> int:
     import optax
 
     import qsdp_jax as q
-    from experiments.shelf import gspmd_fsdp
-    from experiments.gpt.model import GPT, GPTConfig
-    from experiments.shelf.timing import format_results, time_alternating
+    from experiments.gpt.model import GPT, GPTConfig  # imports jax: after simulate_cpu_devices
+    from experiments.shelf import gspmd_fsdp  # imports jax, likewise
 
     overrides = {} if args.seq_len is None else {"seq_len": args.seq_len}
     model = GPT(GPTConfig.from_preset(args.preset, **overrides))

@@ -96,7 +96,7 @@ def step_times(preset: str, block: int, repeats: int, batch: int = 16) -> dict:
     import optax
 
     import qsdp_jax as q
-    from experiments.gpt.model import GPT, GPTConfig
+    from experiments.gpt.model import GPT, GPTConfig  # imports jax: after main sets XLA_FLAGS
     from qsdp_jax import optim
 
     mesh = q.make_mesh()

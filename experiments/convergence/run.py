@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.convergence import runbook
+from experiments.convergence import frontier, levers, runbook
+from experiments.gpt import data
 from experiments.gpt.data import CORPORA
 from experiments.gpt.devices import simulate_cpu_devices
 
@@ -115,8 +116,7 @@ def train_chunk(the_plan: runbook.Plan, settings: runbook.Settings, root: Path,
     import jax  # after XLA_FLAGS
 
     import qsdp_jax as q
-    from experiments.gpt import data
-    from experiments.gpt.trainer import RunConfig, train
+    from experiments.gpt.trainer import RunConfig, train  # imports jax: after simulate_cpu_devices
 
     devices = jax.devices()[: settings.devices]
     if len(devices) < settings.devices:
@@ -158,8 +158,6 @@ def train_chunk(the_plan: runbook.Plan, settings: runbook.Settings, root: Path,
 def report(records: dict, settings: runbook.Settings, out: Path) -> int:
     """Write convergence.json, the markdown tables and both plots from the records made with
     ``settings``; print the tables."""
-    from experiments.convergence import frontier, levers
-
     same = {k: r for k, r in records.items() if r.get("settings") == settings.as_dict()}
     if not same:
         print("no records with these settings yet: nothing to report", flush=True)

@@ -20,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+from experiments.shelf.multiproc import _pin_gloo_to_loopback
+
 D, L, IN, BATCH = 64, 2, 16, 16
 
 
@@ -109,9 +111,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-
-    from experiments.shelf.multiproc import _pin_gloo_to_loopback
+    import jax  # after XLA_FLAGS
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _pin_gloo_to_loopback()

@@ -54,6 +54,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments.shelf.netns import raise_on_sigterm
+
 __all__ = [
     "RESULT_MARKER",
     "WorkerError",
@@ -300,8 +302,6 @@ def run_processes(
 
 def _run_once(module, func, n, kwargs_json, devices, ns_name, timeout_s, port, threads,
               extra_env, python) -> list[dict]:
-    from experiments.shelf.netns import raise_on_sigterm  # local: netns has no heavy deps
-
     run_id = uuid.uuid4().hex[:12]
     env = _child_env(devices, threads, extra_env)
     children: list[_Child] = []

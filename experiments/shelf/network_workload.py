@@ -61,7 +61,7 @@ def qsdp_config(name: str, *, seed: int = 0):
 
 def gpt_config(model: Mapping[str, int]):
     """``GPTConfig`` from a dict of explicit dims (keys of ``GPTConfig``)."""
-    from experiments.gpt.model import GPTConfig
+    from experiments.gpt.model import GPTConfig  # imports jax: the parent process imports this module without
 
     return GPTConfig(**dict(model))
 
@@ -137,7 +137,7 @@ def build_steps(
     faster; the benchmark uses XLA's defaults).
     """
     import qsdp_jax as q
-    from experiments.gpt.model import GPT
+    from experiments.gpt.model import GPT  # imports jax: the parent process imports this module without
     from qsdp_jax import comm
 
     gpt = GPT(gpt_config(model))
@@ -187,7 +187,7 @@ def network_benchmark(
     import numpy as np
 
     import qsdp_jax as q
-    from experiments.gpt.model import GPT
+    from experiments.gpt.model import GPT  # imports jax: the parent process imports this module without
 
     model = dict(DEFAULT_MODEL if model is None else model)
     configs = list(configs)
