@@ -17,7 +17,7 @@ venv: $(STAMP)
 
 # QSDP W8G8 against fp32 FSDP on Shakespeare, 8 simulated CPU devices (a few minutes).
 demo: $(STAMP)
-	$(PY) -m experiments.demo
+	$(PY) -m experiments.gpt.demo
 
 # The whole suite on 8 simulated CPU devices (tests/conftest.py sets them up).
 test: $(STAMP)
@@ -29,8 +29,8 @@ lint: $(STAMP)
 
 # Benchmarks (write JSON under experiments/results/).
 bench: $(STAMP)
-	$(PY) -m experiments.bench_comm
-	$(PY) -m experiments.bench_overhead
+	$(PY) -m experiments.bench.comm
+	$(PY) -m experiments.bench.overhead
 
 convergence: $(STAMP)
 	$(PY) -m experiments.convergence

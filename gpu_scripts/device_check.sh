@@ -7,7 +7,7 @@
 #
 # It runs the tests marked @pytest.mark.gpu, checks every Pallas kernel (Triton lowering)
 # against the jnp reference on the GPU with random data (bits 1..8, three roundings, buckets
-# 64..4096), runs experiments/bench_kernels.py (each pass vs a plain copy; target >= 0.8 of the
+# 64..4096), runs experiments/bench/kernels.py (each pass vs a plain copy; target >= 0.8 of the
 # copy bandwidth), times one step of the `small` GPT with fp32 FSDP and QSDP W8G8, writes JSON
 # to OUT_DIR and prints one summary table last. Exit status: the first failing step's.
 # PYTHON=/path/to/python picks the interpreter (default: python on PATH).

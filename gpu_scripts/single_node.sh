@@ -4,8 +4,8 @@
 # Usage (from the repository root, with the project installed in .venv):
 #   bash gpu_scripts/single_node.sh --preset small --steps 1000            # one process, all GPUs
 #   PROCS=gpu bash gpu_scripts/single_node.sh --preset small               # one process per GPU
-#   bash gpu_scripts/single_node.sh --dry-run [train_gpt flags ...]        # print, run nothing
-# Everything after the options goes to `python -m experiments.train_gpt`.
+#   bash gpu_scripts/single_node.sh --dry-run [trainer flags ...]        # print, run nothing
+# Everything after the options goes to `python -m experiments.gpt.train`.
 #
 # Settings (environment variables; defaults in brackets):
 #   NUM_GPUS  [from nvidia-smi]  GPUs to use
@@ -27,7 +27,7 @@ if [[ -z "${NUM_GPUS:-}" ]]; then
   NUM_GPUS="$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)"
   if [[ "$NUM_GPUS" == 0 ]]; then
     if [[ "$DRY_RUN" == 1 ]]; then NUM_GPUS=8; else
-      echo "no GPU found by nvidia-smi; set NUM_GPUS or use experiments.train_gpt directly" >&2
+      echo "no GPU found by nvidia-smi; set NUM_GPUS or use experiments.gpt.train directly" >&2
       exit 2
     fi
   fi
@@ -46,7 +46,7 @@ fi
 
 case "$PROCS" in
   1)
-    CMD=("$PYTHON" -m experiments.train_gpt --devices "$NUM_GPUS" --out "$OUT" "$@")
+    CMD=("$PYTHON" -m experiments.gpt.train --devices "$NUM_GPUS" --out "$OUT" "$@")
     if [[ "$DRY_RUN" == 1 ]]; then show "${CMD[@]}"; exit 0; fi
     exec "${CMD[@]}" ;;
   gpu)
@@ -54,7 +54,7 @@ case "$PROCS" in
     for ((i = 0; i < NUM_GPUS; i++)); do
       ENV=(QSDP_COORDINATOR="127.0.0.1:$PORT" QSDP_NUM_PROCESSES="$NUM_GPUS" QSDP_PROCESS_ID="$i"
            QSDP_LOCAL_DEVICE_IDS="$i")
-      CMD=("$PYTHON" -m experiments.train_gpt --out "$OUT" --process-logs "$OUT/logs" "$@")
+      CMD=("$PYTHON" -m experiments.gpt.train --out "$OUT" --process-logs "$OUT/logs" "$@")
       if [[ "$DRY_RUN" == 1 ]]; then show env "${ENV[@]}" "${CMD[@]}"; continue; fi
       env "${ENV[@]}" "${CMD[@]}" &
       pids+=($!)

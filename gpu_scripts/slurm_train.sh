@@ -3,8 +3,8 @@
 #
 # Usage (from the repository root, with the project installed in .venv on a shared filesystem):
 #   sbatch --nodes=4 gpu_scripts/slurm_train.sh --preset small --steps 1000 --inter-grad-bits 4
-#   bash gpu_scripts/slurm_train.sh --dry-run [train_gpt flags ...]   # print what would run, run nothing
-# Everything after the options goes to `python -m experiments.train_gpt`.
+#   bash gpu_scripts/slurm_train.sh --dry-run [trainer flags ...]   # print what would run, run nothing
+# Everything after the options goes to `python -m experiments.gpt.train`.
 #
 # Settings (environment variables; defaults in brackets):
 #   GPUS_PER_NODE  [8]      GPUs on each node
@@ -55,7 +55,7 @@ gpu_overlap_env  # XLA_FLAGS: collectives overlap compute (see scripts_lib.sh)
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 
 CMD=(srun --nodes="$NODES" --ntasks-per-node="$TASKS_PER_NODE" --kill-on-bad-exit=1
-     "$PYTHON" -m experiments.train_gpt --mesh "$MESH" --out "$OUT" --process-logs "$OUT/logs"
+     "$PYTHON" -m experiments.gpt.train --mesh "$MESH" --out "$OUT" --process-logs "$OUT/logs"
      "$@")
 
 if [[ "$DRY_RUN" == 1 ]]; then

@@ -3,9 +3,7 @@
 The public API; see README.md for a walk-through and ``docs/design.md`` for the invariants.
 """
 
-# The one place the version is written: pyproject.toml reads it (``[tool.setuptools.dynamic]``),
-# and so do checkpoints (``library_version`` in their record).
-__version__ = "0.1.0"
+from qsdp_jax.version import __version__  # noqa: F401  (written once, in qsdp_jax/version.py)
 
 from qsdp_jax import optim  # noqa: F401  (``qsdp_jax.optim.qsdp``)
 from qsdp_jax import checkpoint  # noqa: F401  (``qsdp_jax.checkpoint.Checkpointer``)

@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax.sharding import ParamLayout
+from qsdp_jax.version import __version__
 
 FORMAT = 2
 
@@ -19,10 +20,8 @@ class CheckpointMismatch(ValueError):
 
 
 def library_version() -> str:
-    """``qsdp_jax.__version__``, the one place the version is written (pyproject.toml reads it
+    """``qsdp_jax.__version__`` (written once, in ``qsdp_jax/version.py``; pyproject.toml reads it
     too); a source checkout that was never installed knows it as well."""
-    from qsdp_jax import __version__  # at call time: qsdp_jax imports this module
-
     return __version__
 
 

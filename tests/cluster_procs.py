@@ -1,4 +1,4 @@
-"""Launching ``python -m experiments.train_gpt`` processes of one multi-process run (2 x 4
+"""Launching ``python -m experiments.gpt.train`` processes of one multi-process run (2 x 4
 simulated CPU devices by default) for tests/test_cluster_agreement.py and
 tests/test_cluster_failures.py."""
 
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.multiproc import find_free_port
+from experiments.shelf.multiproc import find_free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
@@ -30,7 +30,7 @@ def start_trainers(tmp_path: Path, extra: list[list[str]], *, port: int | None =
     for k, (pid, flags) in enumerate(zip(ids, extra)):
         log = open(tmp_path / f"p{k}.log", "w")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "experiments.train_gpt", *SMALL, "--coordinator",
+            [sys.executable, "-m", "experiments.gpt.train", *SMALL, "--coordinator",
              f"127.0.0.1:{port}", "--num-processes", str(num_processes), "--process-id", str(pid),
              *flags],
             cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True))

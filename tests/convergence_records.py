@@ -1,6 +1,6 @@
 """Synthetic convergence run records (the shape runbook.compact_record writes), for tests."""
 
-from experiments import runbook
+from experiments.convergence import runbook
 
 
 def fake_record(corpus, config, seed, val, wire_bytes, settings=None, wall_s=100.0, n_params=1000):

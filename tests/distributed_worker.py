@@ -3,7 +3,7 @@ qsdp_jax.distributed from QSDP_* environment variables, check it, print one JSON
 import json
 import sys
 
-from experiments.multiproc import _pin_gloo_to_loopback
+from experiments.shelf.multiproc import _pin_gloo_to_loopback
 from qsdp_jax import distributed
 
 _pin_gloo_to_loopback()  # gloo on 127.0.0.1 whatever the hostname resolves to

@@ -1,15 +1,17 @@
-"""experiments.bench_comm: structure, ratios and HLO-vs-formula agreement on the tiny preset."""
+"""experiments.shelf.wire_bytes (and experiments.bench.comm's table): structure, ratios and
+HLO-vs-formula agreement on the tiny preset."""
 
 import json
 
 import pytest
 
-from experiments import bench_comm
+from experiments.bench import comm as bench_comm
+from experiments.shelf import wire_bytes
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return bench_comm.measure("tiny", ("fp32", "bf16", "qsdp-W8G8"), n_devices=8, batch_size=16)
+    return wire_bytes.measure("tiny", ("fp32", "bf16", "qsdp-W8G8"), n_devices=8, batch_size=16)
 
 
 def test_structure(tiny):
@@ -17,7 +19,7 @@ def test_structure(tiny):
     assert tiny["n_params"] > 0 and tiny["batch"] == [16, 64]
     assert list(tiny["schemes"]) == ["fp32", "bf16", "qsdp-W8G8"]
     for r in tiny["schemes"].values():
-        assert set(bench_comm.KINDS) <= set(r["by_kind"])
+        assert set(wire_bytes.KINDS) <= set(r["by_kind"])
         assert r["total_bytes"] == pytest.approx(sum(r["by_kind"].values()))
         assert r["total_bytes"] == pytest.approx(sum(r["by_kind_dtype"].values()))
         assert not r["warnings"]
@@ -48,21 +50,21 @@ def test_formula_by_hand():
 
     grp = SimpleNamespace(name="blocks", is_sharded=True, flat_size=8192, stacked=False, n_layers=0)
     layout = SimpleNamespace(groups=(grp,))
-    cfg = bench_comm.scheme_config("qsdp-W4G8", 1024)
-    f = bench_comm.formula_bytes(layout, cfg, 8, {"blocks": 2}, {"blocks": 1})
+    cfg = wire_bytes.scheme_config("qsdp-W4G8", 1024)
+    f = wire_bytes.formula_bytes(layout, cfg, 8, {"blocks": 2}, {"blocks": 1})
     # gather: 8192 * 0.5 B + 8 buckets * 8 B = 4160 B payload, x2, x7/8
     assert f["gather"] == pytest.approx(2 * 4160 * 7 / 8)
     # scatter: 8192 * 1 B + 64 B = 8256 B, x7/8
     assert f["scatter"] == pytest.approx(8256 * 7 / 8)
-    fp = bench_comm.formula_bytes(layout, bench_comm.scheme_config("fp32"), 8, {"blocks": 2}, {"blocks": 1})
+    fp = wire_bytes.formula_bytes(layout, wire_bytes.scheme_config("fp32"), 8, {"blocks": 2}, {"blocks": 1})
     assert fp["total"] == pytest.approx(3 * 8192 * 4 * 7 / 8)
 
 
 def test_scheme_names():
-    assert bench_comm.scheme_config("W2G4").name == "qsdp-W2G4"
-    assert bench_comm.scheme_config("bf16").name == "bf16"
+    assert wire_bytes.scheme_config("W2G4").name == "qsdp-W2G4"
+    assert wire_bytes.scheme_config("bf16").name == "bf16"
     with pytest.raises(ValueError):
-        bench_comm.scheme_config("int8")
+        wire_bytes.scheme_config("int8")
 
 
 def test_schemes_with_one_name_are_refused_before_compiling():
@@ -72,4 +74,4 @@ def test_schemes_with_one_name_are_refused_before_compiling():
 
     cfgs = [q.QSDPConfig.qsdp(4, 4, bucket_size=b) for b in (128, 256)]
     with pytest.raises(ValueError, match=r"\['qsdp-sr-W4G4'\] are named twice"):
-        bench_comm.measure("tiny", cfgs, n_devices=8)
+        wire_bytes.measure("tiny", cfgs, n_devices=8)

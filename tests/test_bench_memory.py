@@ -1,7 +1,7 @@
-"""experiments.bench_memory: the compiled step's peak memory per device, next to the ideal."""
+"""experiments.bench.memory: the compiled step's peak memory per device, next to the ideal."""
 import json
 
-from experiments import bench_memory as bm
+from experiments.bench import memory as bm
 
 
 def test_tiny_fp32_memory_shrinks_with_devices_and_sits_above_the_ideal(tmp_path):

@@ -1,4 +1,4 @@
-"""Tests for experiments.bench_network and experiments.network_workload.
+"""Tests for experiments.bench.network, experiments.shelf.network_results and network_workload.
 
 In-process pieces run on the 8 simulated devices of the test session; one end-to-end run goes
 through 2 real jax.distributed processes without a namespace (tiny model, 2 timed repeats).
@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from experiments import bench_network as bn
-from experiments import network_workload as nw
-from experiments.multiproc import WorkerError, WorkerTimeout
+from experiments.bench import network as bn
+from experiments.shelf import network_results as nr
+from experiments.shelf import network_workload as nw
+from experiments.shelf.multiproc import WorkerError, WorkerTimeout
 
 TINY = dict(nw.TINY_MODEL)
 
@@ -119,7 +120,7 @@ def _fake_measurements():
 
 
 def test_assemble_results_speedups_and_schema():
-    doc = bn.assemble_results(_fake_measurements(), meta={"wall_s": 1.0})
+    doc = nr.assemble_results(_fake_measurements(), meta={"wall_s": 1.0})
     assert "loopback" in doc["note"] and "TOTAL" in doc["note"]
     runs = doc["runs"]
     assert len(runs) == 8  # the failed bandwidth has no runs
@@ -141,7 +142,7 @@ def test_assemble_results_speedups_and_schema():
     bw100 = doc["bandwidths"][0]["configs"]["fp32"]
     assert bw100["max_s"] == pytest.approx(3.3 + 0.3)  # the max over processes per call
     assert bw100["min_s"] == pytest.approx(2.7)
-    assert bw100["iqr_s"] == pytest.approx(bn._stats([2.7, 3.0, 3.6])["iqr_s"])
+    assert bw100["iqr_s"] == pytest.approx(nr._stats([2.7, 3.0, 3.6])["iqr_s"])
     assert bw100["shaper_bytes_per_step"] == 40e6
     assert bw100["ideal_comm_s"] == pytest.approx(40e6 * 8 / 100e6)
     assert bw100["comm_share_est"] == pytest.approx(1 - 0.4 / 3.0)
@@ -157,7 +158,7 @@ def test_assemble_results_speedups_and_schema():
     assert t["all_met"] is True
 
     json.dumps(doc, allow_nan=False)  # serialisable as is
-    table = bn.format_table(doc)
+    table = nr.format_table(doc)
     assert "100 Mbit/s" in table and "unshaped" in table and "FAILED" in table
     assert "3.00x" in table and "4.00x" in table and "20.00" in table  # MB/step of fp32
     assert "no-overlap estimate" in table and "tbf banks tokens" in table
@@ -167,29 +168,29 @@ def test_targets_not_met_and_unshaped_only():
     ms = _fake_measurements()
     ms[0]["processes"] = [_fake_proc(p, {"fp32": 1.0, "bf16": 0.8, "qsdp-W8G8": 0.6, "qsdp-W4G4": 0.5}, NBYTES)
                           for p in (0, 1)]
-    t = bn.evaluate_targets(bn.assemble_results(ms)["bandwidths"])
+    t = nr.evaluate_targets(nr.assemble_results(ms)["bandwidths"])
     assert t["checks"]["qsdp-W8G8"]["met"] is False and t["checks"]["qsdp-W4G4"]["met"] is False
     assert t["all_met"] is False
-    doc = bn.assemble_results([ms[2]])
+    doc = nr.assemble_results([ms[2]])
     assert doc["targets"]["evaluated"] is False
-    assert "NOT met" not in bn.format_table(doc)
+    assert "NOT met" not in nr.format_table(doc)
 
 
 def test_parse_bandwidth():
-    assert bn.parse_bandwidth("100") == 100 and isinstance(bn.parse_bandwidth("100"), int)
-    assert bn.parse_bandwidth("2.5") == 2.5
-    assert bn.parse_bandwidth("none") is None and bn.parse_bandwidth("Unshaped") is None
+    assert nr.parse_bandwidth("100") == 100 and isinstance(nr.parse_bandwidth("100"), int)
+    assert nr.parse_bandwidth("2.5") == 2.5
+    assert nr.parse_bandwidth("none") is None and nr.parse_bandwidth("Unshaped") is None
     for bad in ("0", "-3", "fast", "nan"):
         with pytest.raises(Exception):
-            bn.parse_bandwidth(bad)
+            nr.parse_bandwidth(bad)
 
 
 # ----------------------------------------------------------------------------- CLI
 
 
 def test_cli_exits_cleanly_without_netns_support(monkeypatch, tmp_path, capsys):
-    import experiments.multiproc as mp
-    import experiments.netns as netns
+    import experiments.shelf.multiproc as mp
+    import experiments.shelf.netns as netns
 
     monkeypatch.setattr(netns, "check_netns_support", lambda *a, **k: "network namespaces need root (test)")
 
@@ -217,7 +218,7 @@ _ENV_SIGNS = ("Address already in use", "Failed to add port", "gloo", "Connectio
 @pytest.mark.slow
 def test_end_to_end_two_processes_no_netns(tmp_path, monkeypatch, capsys):
     """The real CLI: 2 jax.distributed processes on the host loopback, tiny model."""
-    import experiments.multiproc as mp
+    import experiments.shelf.multiproc as mp
 
     real = mp.run_processes
     errors = []

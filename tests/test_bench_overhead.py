@@ -1,6 +1,6 @@
 """bench_overhead's report: ratios against fp32 and the target flags."""
 
-from experiments import bench_overhead
+from experiments.bench import overhead as bench_overhead
 
 
 def _out(step_ratio, compile_ratio):

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from experiments import bench_twolevel as bt
-from experiments.multiproc import run_processes
-from experiments.netns import HOST_ADDR, check_netns_support, veth_namespaces
+from experiments.bench import twolevel as bt
+from experiments.shelf.multiproc import run_processes
+from experiments.shelf.netns import HOST_ADDR, check_netns_support, veth_namespaces
 
 MB2 = 2 << 20
 _SEND = """
@@ -66,12 +66,12 @@ def test_run_processes_one_namespace_per_process(netns_ok):
     addrs = [HOST_ADDR.format(i + 1) for i in range(2)]
     env = {"QSDP_COORDINATOR_HOST": addrs[0], "QSDP_GLOO_HOSTS": ",".join(addrs)}
     with veth_namespaces(2, rate_mbit=None) as hosts:
-        res = run_processes("experiments.allgather_probe", "allgather_probe", 2,
+        res = run_processes("experiments.bench.allgather_probe", "allgather_probe", 2,
                             {"num_bytes": 1 << 20, "repeats": 2}, netns=hosts, extra_env=env,
                             timeout_s=120)
     assert [r["process_index"] for r in res] == [0, 1] and all(r["correct"] for r in res)
     with pytest.raises(ValueError, match="2 namespaces for 3 processes"):
-        run_processes("experiments.allgather_probe", "allgather_probe", 3, {}, netns=["a", "b"])
+        run_processes("experiments.bench.allgather_probe", "allgather_probe", 3, {}, netns=["a", "b"])
 
 
 def test_targets_and_table():

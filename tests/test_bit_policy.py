@@ -250,7 +250,7 @@ def test_summaries_show_the_bits():
     assert line.split()[2:4] == ["4", "4"]
     assert [r for r in lay.bits_table(cfg).splitlines() if r.startswith("head/w")][0].split()[2:4] == ["fp", "fp"]
     assert "embed@" not in ParamLayout.create(toymodel.init(0), N, BUCKET, 128, toymodel.STACKED).table()
-    from experiments.train_report import summary_text
+    from experiments.gpt.report import summary_text
 
     summary = dict(name="x", n_params=1, n_devices=8, steps=1, train_loss=1.0, val_loss=1.0, tokens_per_s=1.0,
                    setup_s=0.0, wall_s=0.0, wire_bytes_per_step=1.0, nonfinite_steps=0, out_dir="o",
@@ -259,8 +259,9 @@ def test_summaries_show_the_bits():
 
 
 def test_trainer_flag_parses_and_errors_clearly():
-    from experiments.train_args import CLIError, parse_args, qsdp_kwargs
-    from experiments.train_setup import build_run_config
+    from experiments.gpt.arg_types import parse_bit_policy
+    from experiments.gpt.args import CLIError, parse_args, qsdp_kwargs
+    from experiments.gpt.setup import build_run_config
 
     args = parse_args(["--bit-policy", "embed*=8,8; blocks/*/kernel=4,none", "--weight-bits", "3"])
     assert qsdp_kwargs(args)["bit_policy"] == (("embed*", 8, 8), ("blocks/*/kernel", 4, None))
@@ -270,9 +271,8 @@ def test_trainer_flag_parses_and_errors_clearly():
                      ("=8,8", "expected PATTERN=WEIGHT_BITS,GRAD_BITS"), (";", "no rule")):
         with pytest.raises(SystemExit):
             parse_args(["--bit-policy", bad])
-        from experiments.train_args import _bit_policy
         with pytest.raises(Exception, match=msg.replace(".", r"\.").replace("*", r"\*")):
-            _bit_policy(bad)
+            parse_bit_policy(bad)
     with pytest.raises(CLIError, match=r"bit_policy\[0\].*weight_mode='full'"):
         build_run_config(parse_args(["--fp32", "--bit-policy", "embed*=8,8"]))
     cfg, run = build_run_config(parse_args(["--bit-policy", "embed*=8,8"]))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.multiproc import find_free_port
+from experiments.shelf.multiproc import find_free_port
 from qsdp_jax.checkpoint import Checkpointer
 from qsdp_jax.watchdog import StepWatchdog
 
@@ -31,7 +31,7 @@ def _launch(out: Path, tag: str) -> list[subprocess.Popen]:
     for i in range(2):
         log = open(out.parent / f"{tag}-{i}.log", "w")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "experiments.failure_workload", "--process-id", str(i),
+            [sys.executable, "-m", "experiments.shelf.failure_workload", "--process-id", str(i),
              "--port", str(port), "--out", str(out), "--steps", str(STEPS), "--every", "5",
              "--bound", str(BOUND), "--save-timeout", str(SAVE_TIMEOUT)],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True))

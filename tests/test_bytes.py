@@ -5,7 +5,7 @@ import optax
 import pytest
 
 import qsdp_jax as q
-from experiments.gpt import GPT, GPTConfig
+from experiments.gpt.model import GPT, GPTConfig
 from qsdp_jax import comm, optim
 
 

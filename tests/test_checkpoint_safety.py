@@ -224,7 +224,7 @@ TRAINER_ARGS = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--seq-l
 
 def _trainer(out: Path, *extra) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "experiments.train_gpt", *TRAINER_ARGS, "--out", str(out), *extra],
+    return subprocess.run([sys.executable, "-m", "experiments.gpt.train", *TRAINER_ARGS, "--out", str(out), *extra],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -8,8 +8,9 @@ import math
 
 import pytest
 
-from experiments import train_gpt as tg
-from experiments.run_files import MetricsLog, dumps_strict
+from experiments.gpt import train as tg
+from experiments.gpt.files import dumps_strict
+from experiments.gpt.run_files import MetricsLog
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -68,7 +69,7 @@ def test_metrics_lines_are_strict_json_and_read_back(tmp_path):
 def test_failure_workload_saves_when_its_watchdog_fires(tmp_path, monkeypatch, capsys):
     """The workload's save attempt runs (it named ``save_or_explain`` without importing it, and
     the watchdog reported the NameError as "The save failed")."""
-    from experiments import failure_workload as fw
+    from experiments.shelf import failure_workload as fw
     from qsdp_jax import watchdog
     from qsdp_jax.checkpoint import Checkpointer
 

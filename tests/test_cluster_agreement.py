@@ -1,4 +1,4 @@
-"""Two trainer processes (``python -m experiments.train_gpt``, 2 x 4 simulated CPU devices) that
+"""Two trainer processes (``python -m experiments.gpt.train``, 2 x 4 simulated CPU devices) that
 were started with different settings stop at once, both, naming the setting and both values
 (they used to train on with process 0's record, or block until a gloo / barrier timeout)."""
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from experiments.multiproc import find_free_port
+from experiments.shelf.multiproc import find_free_port
 from tests.cluster_procs import read_log, start_trainers, wait_all, wait_for
 
 WATCHING = "peer monitor: process {} of 2 watches the others"

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
 import toymodel
-from experiments import bench_comm
+from experiments.shelf import wire_bytes
 from qsdp_jax import collectives as qc
 from qsdp_jax import optim
 from qsdp_jax import quantizers as qz
@@ -145,7 +145,7 @@ def test_hlo_bytes_equal_the_formula_and_shrink():
     """Invariant 4 on the tiny GPT: bf16 stats count 4 bytes per bucket, and the HLO agrees."""
     cfgs = [q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, bucket_size=256, stats_dtype=s)
             for s in ("float32", BF)]
-    r = bench_comm.measure("tiny", cfgs, n_devices=8, batch_size=16)["schemes"]
+    r = wire_bytes.measure("tiny", cfgs, n_devices=8, batch_size=16)["schemes"]
     f32, bf = r["comm-W4G4"], r["comm-W4G4-bf16stats"]
     for rec in (f32, bf):
         assert abs(rec["formula_rel_diff"]) < 0.01, rec
@@ -209,9 +209,9 @@ def test_comm_training_with_bf16_stats_quantizes_the_view_and_resumes_exactly(tm
 
 
 def test_grid_walk_shows_why_on_grid_weights_refuse_bf16_stats():
-    """The mechanism behind the refusal (experiments/grid_walk.py): kept on a bf16 grid, the
+    """The mechanism behind the refusal (experiments/convergence/grid_walk.py): kept on a bf16 grid, the
     range ratchets outward; float32 stats and comm mode's fresh quantization do not."""
-    from experiments import grid_walk
+    from experiments.convergence import grid_walk
 
     walks = {f"{m}/{s}": grid_walk.walk(m, s, 4, 64, 300, 3e-4, rows=16)[300] for m, s in grid_walk.MODES}
     runs = {k: v[0] for k, v in walks.items()}  # range ratios

@@ -9,7 +9,7 @@ import pytest
 from convergence_records import write_fake
 
 import qsdp_jax as q
-from experiments import convergence, runbook
+from experiments.convergence import run as convergence, runbook
 
 TINY = runbook.Settings(preset="tiny", steps=10)
 TINY_FLAGS = ["--preset", "tiny", "--steps", "10"]

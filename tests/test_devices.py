@@ -1,4 +1,4 @@
-"""experiments.devices: the real devices unless simulated ones are asked for (fresh processes:
+"""experiments.gpt.devices: the real devices unless simulated ones are asked for (fresh processes:
 the device count is fixed once jax starts)."""
 import json
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROBE = """
 import json, os, sys
-from experiments import devices
+from experiments.gpt import devices
 getattr(devices, sys.argv[1])(int(sys.argv[2]))
 import jax
 print(json.dumps({"n": jax.device_count(), "platform": jax.devices()[0].platform,

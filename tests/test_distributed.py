@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from experiments.multiproc import find_free_port
+from experiments.shelf.multiproc import find_free_port
 from qsdp_jax import distributed
 from qsdp_jax.distributed import DistributedInfo, DistributedSettings
 
@@ -152,7 +152,7 @@ def test_two_processes_start_from_env(tmp_path):
 def test_importing_the_package_starts_no_backend():
     """jax.distributed must start before JAX's backends: importing qsdp_jax may not create them
     (a module-level jnp constant would, and then every multi-process start fails)."""
-    code = ("import qsdp_jax, experiments.train_gpt, experiments.trainer\n"
+    code = ("import qsdp_jax, experiments.gpt.train, experiments.gpt.trainer\n"
             "from jax._src import xla_bridge\n"
             "assert not xla_bridge.backends_are_initialized(), 'a backend was started at import'\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}

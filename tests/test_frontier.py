@@ -1,11 +1,11 @@
-"""experiments.frontier on synthetic records: paired gaps, intervals, bits per element, table, plots."""
+"""experiments.convergence.frontier on synthetic records: paired gaps, intervals, bits per element, table, plots."""
 
 import math
 
 import pytest
 from convergence_records import fake_record
 
-from experiments import frontier, runbook
+from experiments.convergence import frontier, runbook
 
 FP32 = {0: 2.0, 1: 2.1, 2: 1.9}
 # paired gaps +1%, +1%, +0.5%: mean 0.8333%, sd 0.2887%, half width 4.302653 * sd / sqrt(3)

@@ -1,4 +1,4 @@
-"""Tests for experiments/gpt.py: config, init, forward through ParamAccess, training."""
+"""Tests for experiments/gpt/model.py: config, init, forward through ParamAccess, training."""
 
 import math
 
@@ -9,8 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import gpt
-from experiments.gpt import GPT, GPTConfig
+from experiments.gpt import model as gpt
+from experiments.gpt.model import GPT, GPTConfig
 from qsdp_jax.access import LocalParams
 
 TINY = dict(seq_len=16, d_model=32, n_layers=2, n_heads=4)

@@ -1,4 +1,4 @@
-"""experiments.gspmd_fsdp: the plain jax.jit + NamedSharding FSDP step, the benchmarks' baseline."""
+"""experiments.shelf.gspmd_fsdp: the plain jax.jit + NamedSharding FSDP step, the benchmarks' baseline."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,8 +6,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
-from experiments import bench_memory, gspmd_fsdp
-from experiments.gpt import GPT, GPTConfig
+from experiments.bench import memory as bench_memory
+from experiments.shelf import gspmd_fsdp
+from experiments.gpt.model import GPT, GPTConfig
 from qsdp_jax.access import LocalParams
 
 

@@ -274,7 +274,7 @@ def test_per_level_bits_visible_in_compiled_step(hier_run):
 def test_bytes_per_axis_match_the_formula(hmesh, hier_run):
     """Invariant 4 on both levels: the u8 wire bytes on each mesh axis equal the formula
     (payload of n codes of b bits plus 8 bytes per bucket) within 1%."""
-    from experiments.twolevel_workload import bytes_by_axis
+    from experiments.shelf.twolevel_workload import bytes_by_axis
 
     got = bytes_by_axis(hier_run["compiled"], hmesh, detail=True)
     expect = {"node/all-gather/u8": 0.0, "local/all-gather/u8": 0.0,

@@ -235,7 +235,7 @@ def test_device_check_scripts_parse_and_dry_run(script, tmp_path):
     path = os.path.join(ROOT, script)
     subprocess.run(["bash", "-n", path], check=True)
     out = subprocess.run(["bash", path, "--dry-run", str(tmp_path)], check=True, capture_output=True, text=True).stdout
-    assert "pytest" in out and "bench_kernels" in out and "device_check kernels" in out
+    assert "pytest" in out and "bench.kernels" in out and "device_check kernels" in out
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
 
 

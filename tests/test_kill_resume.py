@@ -35,7 +35,7 @@ def _cache_env(cache: Path) -> dict:
 
 
 def _start(out: Path, resume: bool) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "experiments.train_gpt", *ARGS, "--out", str(out)]
+    cmd = [sys.executable, "-m", "experiments.gpt.train", *ARGS, "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO), **_cache_env(out.parent / "jax-cache")}
     return subprocess.Popen(cmd + (["--resume"] if resume else []), cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

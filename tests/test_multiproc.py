@@ -1,4 +1,4 @@
-"""Tests for experiments.multiproc: real 2-process jax.distributed (gloo) runs on CPU."""
+"""Tests for experiments.shelf.multiproc: real 2-process jax.distributed (gloo) runs on CPU."""
 import os
 import signal
 import threading
@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from experiments.multiproc import (
+from experiments.shelf.multiproc import (
     WorkerError,
     WorkerTimeout,
     _child_env,
     find_free_port,
     run_processes,
 )
-from experiments.netns import check_netns_support, shaped_namespace
+from experiments.shelf.netns import check_netns_support, shaped_namespace
 
-PROBE = "experiments.allgather_probe"
+PROBE = "experiments.bench.allgather_probe"
 MB4 = 4 << 20
 
 
@@ -148,7 +148,7 @@ def test_sigterm_to_parent_kills_workers():
     assert time.monotonic() - t0 < 30
     assert signal.getsignal(signal.SIGTERM) is before
     # the run_id is not exposed on this path; no worker of ours may survive at all
-    assert _procs_with("experiments.multiproc --worker --module experiments.allgather_probe "
+    assert _procs_with("experiments.shelf.multiproc --worker --module experiments.bench.allgather_probe "
                        "--func crash_probe") == []
 
 

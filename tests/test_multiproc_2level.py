@@ -9,7 +9,7 @@ in one process for these group sizes."""
 
 import pytest
 
-from experiments.multiproc import run_processes
+from experiments.shelf.multiproc import run_processes
 
 HIER = {"node": 2, "local": 4}
 H = dict(node_axis="node", axis_name="local")
@@ -24,9 +24,9 @@ KW = dict(cases=CASES, steps=2, compiler_options={"xla_backend_optimization_leve
 
 @pytest.fixture(scope="module")
 def runs():
-    two = run_processes("experiments.twolevel_workload", "train_losses_many", 2, KW,
+    two = run_processes("experiments.shelf.twolevel_workload", "train_losses_many", 2, KW,
                         devices_per_process=4, timeout_s=600)
-    one = run_processes("experiments.twolevel_workload", "train_losses_many", 1, KW,
+    one = run_processes("experiments.shelf.twolevel_workload", "train_losses_many", 1, KW,
                         devices_per_process=8, timeout_s=600)
     return two, one
 

@@ -1,4 +1,4 @@
-"""Tests for experiments.netns (namespace tests skip unless root + iproute2 + netns work)."""
+"""Tests for experiments.shelf.netns (namespace tests skip unless root + iproute2 + netns work)."""
 import math
 import os
 import signal
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from experiments.netns import (
+from experiments.shelf.netns import (
     Terminated,
     check_netns_support,
     cleanup_stale,
@@ -148,7 +148,7 @@ def test_cleanup_stale_only_dead_owners(netns_ok):
 
 
 def test_support_reasons(monkeypatch):
-    import experiments.netns as netns
+    import experiments.shelf.netns as netns
 
     monkeypatch.setattr(netns, "_support_cache", {})  # fake answers must not stay cached
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)

@@ -131,8 +131,8 @@ def test_groups_and_stacks_come_from_the_module():
     model.embed = nnx.Module()
     model.embed.tok, model.embed.pos = nnx.Embed(64, 8, rngs=nnx.Rngs(0)), nnx.Embed(64, 8, rngs=nnx.Rngs(1))
     assert [(g.name, g.stacked) for g in describe(model).groups] == [("embed", False)]
-    from experiments.gpt import GPTConfig
-    from experiments.gpt_nnx import GPTModel
+    from experiments.gpt.model import GPTConfig
+    from experiments.gpt.model_nnx import GPTModel
     medium = nnx.eval_shape(lambda: GPTModel(GPTConfig.from_preset("medium"), rngs=nnx.Rngs(0)))
     assert [(g.name, g.n_layers) for g in describe(medium).groups if g.stacked] == [("blocks", 8)]
 

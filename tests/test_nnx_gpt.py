@@ -1,4 +1,4 @@
-"""The NNX GPT (experiments.gpt_nnx) through the front door against the ParamAccess GPT and one
+"""The NNX GPT (experiments.gpt.model_nnx) through the front door against the ParamAccess GPT and one
 device: the same losses (fp32 to float tolerance; QSDP W8G8 bit for bit), per-layer gathers."""
 
 import chex
@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 import qsdp_jax as q
-from experiments.gpt import GPT, GPTConfig
-from experiments.gpt_nnx import GPTModel, gpt_loss
+from experiments.gpt.model import GPT, GPTConfig
+from experiments.gpt.model_nnx import GPTModel, gpt_loss
 from qsdp_jax import comm
 from qsdp_jax import nnx as qnnx
 

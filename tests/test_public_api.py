@@ -39,4 +39,4 @@ def test_version_is_written_once_and_the_package_is_typed():
     assert (Path(qsdp_jax.__file__).parent / "py.typed").is_file()
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
-    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "qsdp_jax.__version__"}
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "qsdp_jax.version.__version__"}

@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import train_gpt as tg
-from experiments import trainer as tr
+from experiments.gpt import train as tg, trainer as tr
 
 DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
 TINY = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--seq-len", "16", "--batch", "8",
@@ -142,7 +141,7 @@ def test_overwrite_renames_on_process_0_only_between_barriers(tmp_path, monkeypa
     deleting them too would race it)."""
     import argparse
 
-    from experiments import run_files as rf
+    from experiments.gpt import run_files as rf
 
     directory = tmp_path / "checkpoints"
     (directory / "4").mkdir(parents=True)

@@ -181,7 +181,7 @@ def test_rotated_training_resumes_bit_exact_and_differs_from_unrotated(tmp_path)
 
 
 def test_trainer_flags_set_both_switches_and_stay_absent_when_off():
-    from experiments import train_args
+    from experiments.gpt import args as train_args
 
     on = train_args.qsdp_kwargs(train_args.parse_args(
         ["--grad-rotation", "64", "--stats-dtype", "bfloat16", "--weight-mode", "comm", "--weight-bits", "4"]))

@@ -1,10 +1,10 @@
-"""experiments.run_files.write_atomic: the one atomic writer every result file goes through."""
+"""experiments.gpt.files.write_atomic: the one atomic writer every result file goes through."""
 
 import os
 
 import pytest
 
-from experiments.run_files import write_atomic
+from experiments.gpt.files import write_atomic
 
 
 def test_writes_text_and_bytes_and_creates_parents(tmp_path):

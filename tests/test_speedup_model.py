@@ -1,10 +1,10 @@
-"""experiments.speedup_model: the arithmetic on hand-computed cases (no compilation)."""
+"""experiments.bench.speedup_model: the arithmetic on hand-computed cases (no compilation)."""
 
 import json
 
 import pytest
 
-from experiments import speedup_model as sm
+from experiments.bench import speedup_model as sm
 
 
 def test_comm_and_compute_by_hand():

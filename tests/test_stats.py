@@ -1,11 +1,11 @@
-"""experiments.stats: t quantiles against published values and closed forms, intervals by hand."""
+"""experiments.convergence.stats: t quantiles against published values and closed forms, intervals by hand."""
 
 import math
 
 import numpy as np
 import pytest
 
-from experiments import stats
+from experiments.convergence import stats
 
 # two-sided 95% critical values t_{0.975, df}, as printed in standard tables
 T975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 6: 2.4469, 9: 2.2622,

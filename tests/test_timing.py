@@ -1,4 +1,4 @@
-"""Tests for experiments.timing (deterministic: fake clock, fake callables)."""
+"""Tests for experiments.shelf.timing (deterministic: fake clock, fake callables)."""
 import math
 import subprocess
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.timing import (
+from experiments.shelf.timing import (
     TimingResult,
     default_sync,
     format_results,
@@ -162,5 +162,5 @@ def test_argument_validation(kwargs):
 
 
 def test_module_does_not_import_jax():
-    code = "import sys, experiments.timing; assert 'jax' not in sys.modules, 'jax imported'"
+    code = "import sys, experiments.shelf.timing; assert 'jax' not in sys.modules, 'jax imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -1,4 +1,4 @@
-"""The trainer CLI (experiments.train_gpt) end to end, and the demo's comparison table."""
+"""The trainer CLI (experiments.gpt.train) end to end, and the demo's comparison table."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import qsdp_jax as q
-from experiments import demo
-from experiments import train_gpt as tg
+from experiments.gpt import demo, train as tg
+from experiments.gpt.report import Progress
 
 DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
 SMALL = ["--d-model", "32", "--n-heads", "2", "--n-layers", "2", "--seq-len", "32", "--batch", "8",
@@ -66,7 +66,7 @@ def test_run_writes_config_summary_and_plot(run_dir):
 
 
 def test_weight_rounding_flag():
-    from experiments import train_args
+    from experiments.gpt import args as train_args
 
     def rounding(*flags):
         return q.QSDPConfig(**train_args.qsdp_kwargs(train_args.parse_args(list(flags)))).weight_rounding
@@ -134,11 +134,11 @@ def test_help(capsys):
 
 
 class _FakeTrainer:
-    """Stands in for experiments.trainer.Trainer: 3 steps, then the run fails."""
+    """Stands in for experiments.gpt.trainer.Trainer: 3 steps, then the run fails."""
 
     def __init__(self, run, devices=None):
-        from experiments.gpt import GPTConfig
-        from experiments.trainer import StepLog
+        from experiments.gpt.model import GPTConfig
+        from experiments.gpt.trainer import StepLog
 
         self.run, self.n_devices, self._log = run, 8, StepLog
         self.model = types.SimpleNamespace(cfg=run.model_config(), count_params=lambda: 1)
@@ -155,7 +155,7 @@ class _FakeTrainer:
 
 
 def test_metrics_survive_a_failed_run(tmp_path, monkeypatch, capsys):
-    from experiments import trainer
+    from experiments.gpt import trainer
 
     monkeypatch.setattr(trainer, "Trainer", _FakeTrainer)
     out = tmp_path / "run"
@@ -168,7 +168,7 @@ def test_metrics_survive_a_failed_run(tmp_path, monkeypatch, capsys):
 
 def test_progress_plain_lines_when_not_a_tty():
     stream = io.StringIO()
-    p = tg.Progress(total=100, tokens_per_step=256, stream=stream)
+    p = Progress(total=100, tokens_per_step=256, stream=stream)
     for i in range(100):
         p.update(types.SimpleNamespace(step=i + 1, loss=3.0, seconds=0.01, val_loss=None))
     lines = stream.getvalue().splitlines()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import train_gpt as tg
-from experiments.multiproc import run_processes
+from experiments.gpt import train as tg
+from experiments.shelf.multiproc import run_processes
 
 DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
 SMALL = ["--d-model", "32", "--n-heads", "2", "--n-layers", "2", "--seq-len", "32", "--batch", "8",
@@ -87,7 +87,7 @@ def test_a_process_draws_only_its_rows():
     can draw just its own part and the global batch stays a function of (seed, step))."""
     import numpy as np
 
-    from experiments.data import BatchSampler
+    from experiments.gpt.data import BatchSampler
 
     s = BatchSampler(np.arange(5000) % 256, batch_size=8, seq_len=16, seed=3)
     full = s.batch(7)
@@ -104,7 +104,7 @@ def test_two_level_trainer_step_exports_for_tpu_and_cuda():
     import jax
 
     import qsdp_jax as q
-    from experiments.trainer import RunConfig, Trainer
+    from experiments.gpt.trainer import RunConfig, Trainer
 
     cfg = q.QSDPConfig.qsdp(8, 8, bucket_size=64, inter_grad_bits=4, node_axis="node",
                             axis_name="local", min_shard_size=512)

@@ -1,14 +1,15 @@
-"""Worker for tests/test_trainer_cluster.py, run in each process by experiments.multiproc:
+"""Worker for tests/test_trainer_cluster.py, run in each process by experiments.shelf.multiproc:
 trainer CLI runs, one after the other; returns this process's view of each."""
 import jax
 
-from experiments import train_gpt as tg
+from experiments.gpt import train as tg
+from experiments.gpt.args import parse_args
 
 
 def train(argvs: list[list[str]]) -> dict:
     runs = []
     for argv in argvs:
-        result = tg.run_cli(tg.parse_args(argv), print_summary=False)
+        result = tg.run_cli(parse_args(argv), print_summary=False)
         runs.append({"losses": [h.loss for h in result.history], "val_loss": result.val_loss,
                      "n_devices": result.n_devices})
     return {"process_index": jax.process_index(), "process_count": jax.process_count(),
@@ -23,11 +24,11 @@ def stop_resume_overwrite(argv: list[str], straight: str, out: str, stop_at: int
     import os
     import signal
 
-    from experiments import trainer as tr
-    from experiments.run_files import Stopped
+    from experiments.gpt import trainer as tr
+    from experiments.gpt.run_files import Stopped
 
     def losses(args):
-        return [h.loss for h in tg.run_cli(tg.parse_args(args), print_summary=False).history]
+        return [h.loss for h in tg.run_cli(parse_args(args), print_summary=False).history]
 
     ckpt = [*argv, "--out", out, "--checkpoint-every", "2"]
     result = {"straight": losses([*argv, "--out", straight])}

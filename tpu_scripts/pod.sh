@@ -4,10 +4,10 @@
 #
 # Usage (on your workstation, with gcloud authenticated and a project/zone with TPU quota):
 #   TPU_NAME=qsdp-pod ZONE=us-central2-b ACCELERATOR_TYPE=v4-32 bash tpu_scripts/pod.sh all --preset small
-#   bash tpu_scripts/pod.sh create|install|train|logs|delete [train_gpt flags ...]
-#   bash tpu_scripts/pod.sh --dry-run [step] [train_gpt flags ...]   # print the gcloud commands only
+#   bash tpu_scripts/pod.sh create|install|train|logs|delete [trainer flags ...]
+#   bash tpu_scripts/pod.sh --dry-run [step] [trainer flags ...]   # print the gcloud commands only
 # `all` runs create, install, train, logs and then delete (set KEEP=1 to keep the slice).
-# Flags after the step go to `python -m experiments.train_gpt` (on the train step).
+# Flags after the step go to `python -m experiments.gpt.train` (on the train step).
 #
 # Settings (environment variables; defaults in brackets):
 #   TPU_NAME [qsdp-pod]  ZONE [us-central2-b]  ACCELERATOR_TYPE [v4-32]
@@ -83,7 +83,7 @@ train() {
   local args
   args="$(show "$@")"
   on_all "cd $REMOTE_DIR && QSDP_HEARTBEAT_TIMEOUT_S=\${QSDP_HEARTBEAT_TIMEOUT_S:-30} \
-.venv/bin/python -m experiments.train_gpt --mesh $MESH --out $RUN_DIR --overwrite \
+.venv/bin/python -m experiments.gpt.train --mesh $MESH --out $RUN_DIR --overwrite \
 --process-logs $RUN_DIR/logs $args 2>&1 | tee train.log"
 }
 
