@@ -1,41 +1,20 @@
 """qsdp_jax: quantized fully-sharded data-parallel training (QSDP) for JAX.
 
-The public API; see README.md for a walk-through and ``docs/design.md`` for the invariants.
+The public API is what this module exports, and the modules it names: ``qsdp_jax.nnx`` (the Flax
+NNX front door), ``qsdp_jax.optim``, ``qsdp_jax.checkpoint``, ``qsdp_jax.distributed``,
+``qsdp_jax.comm`` (bytes on the wire), ``qsdp_jax.collectives`` (the quantized collectives, for
+people who build their own steps) and ``qsdp_jax.kernels``. Everything under ``qsdp_jax._src`` is
+internal. The docs (``docs/``) walk through it; ``docs/design.md`` states the invariants.
 """
 
-from qsdp_jax.version import __version__  # noqa: F401  (written once, in qsdp_jax/version.py)
+from qsdp_jax.version import __version__
 
-from qsdp_jax import optim  # noqa: F401  (``qsdp_jax.optim.qsdp``)
-from qsdp_jax import checkpoint  # noqa: F401  (``qsdp_jax.checkpoint.Checkpointer``)
-from qsdp_jax import collectives  # noqa: F401  (``qsdp_jax.collectives``: the quantized collectives)
-from qsdp_jax import comm  # noqa: F401  (``qsdp_jax.comm.comm_report``: bytes per collective)
-from qsdp_jax import distributed  # noqa: F401  (``qsdp_jax.distributed.initialize``)
-from qsdp_jax import kernels  # noqa: F401  (``qsdp_jax.kernels``: Pallas hot path)
-from qsdp_jax import nnx  # noqa: F401  (the Flax NNX front door: ``qsdp_jax.nnx.init_state``)
-from qsdp_jax import rotation  # noqa: F401  (``QSDPConfig.grad_rotation``: blockwise Hadamard)
-from qsdp_jax import policy  # noqa: F401  (per-leaf bits: ``QSDPConfig.bit_policy``'s paths and patterns)
+from qsdp_jax import checkpoint, collectives, comm, distributed, kernels, nnx, optim
 from qsdp_jax.access import LocalParams, ParamAccess
-from qsdp_jax.collectives import (
-    GatherSpec,
-    all_gather_fp,
-    make_gather,
-    quantized_all_gather,
-    quantized_reduce_scatter,
-    reduce_scatter_fp,
-)
-from qsdp_jax.checkpoint import CheckpointMismatch, Checkpointer
+from qsdp_jax.checkpoint import CheckpointDamaged, CheckpointMismatch, Checkpointer
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.hierarchy import (
-    TwoLevelSpec,
-    cross_group_all_reduce,
-    two_level_all_gather,
-    two_level_reduce_scatter,
-)
-from qsdp_jax.quantizers import QTensor, dequantize, pack_bits, quantize, unpack_bits
 from qsdp_jax.sharding import ParamLayout, make_mesh
-from qsdp_jax.watchdog import StepWatchdog
 from qsdp_jax.train import (
-    ShardedParams,
     TrainState,
     abstract_train_state,
     gather_params,
@@ -43,44 +22,30 @@ from qsdp_jax.train import (
     make_eval_step,
     make_train_step,
 )
+from qsdp_jax.watchdog import StepWatchdog
 
 __all__ = [
+    "CheckpointDamaged",
     "CheckpointMismatch",
     "Checkpointer",
-    "GatherSpec",
     "LocalParams",
     "ParamAccess",
     "ParamLayout",
     "QSDPConfig",
-    "QTensor",
-    "ShardedParams",
     "StepWatchdog",
     "TrainState",
-    "TwoLevelSpec",
+    "__version__",
     "abstract_train_state",
-    "all_gather_fp",
     "checkpoint",
     "collectives",
     "comm",
-    "cross_group_all_reduce",
-    "dequantize",
     "distributed",
     "gather_params",
     "init_train_state",
     "kernels",
     "make_eval_step",
-    "make_gather",
     "make_mesh",
     "make_train_step",
     "nnx",
     "optim",
-    "policy",
-    "pack_bits",
-    "quantize",
-    "quantized_all_gather",
-    "quantized_reduce_scatter",
-    "reduce_scatter_fp",
-    "two_level_all_gather",
-    "two_level_reduce_scatter",
-    "unpack_bits",
 ]

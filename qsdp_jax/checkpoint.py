@@ -26,14 +26,14 @@ scale and offset per bucket, and buckets live inside one device's shard: when a 
 whole buckets of its row-major order on both meshes (split on its first dimension; true of the
 usual transformer shapes) its buckets are the same on any device count, and the grid restores
 exactly. Otherwise the grid belongs to the old mesh: restore refuses, naming the leaves, unless
-``regrid=True`` re-projects them onto the new mesh's grid (:mod:`qsdp_jax.regrid`).
+``regrid=True`` re-projects them onto the new mesh's grid (:mod:`qsdp_jax._src.regrid`).
 A config, layout, leaf or identity mismatch is refused with an error naming the field.
 
 **Atomic.** Orbax writes a step into a temporary directory and renames it when complete; only
 complete steps are listed, so a checkpoint half-written when the process died is never picked up
 (and its leftovers are removed when the next manager opens the directory).
 
-**Safe by default** (:mod:`qsdp_jax.checkpoint_safety`). Pending saves complete before the
+**Safe by default** (:mod:`qsdp_jax._src.checkpoint_safety`). Pending saves complete before the
 process exits, also when the script never calls ``wait()``/``close()`` (a save failing then ends
 the process with status 1). Every array's CRC-32 is recorded and checked on restore; a damaged
 step (changed bytes, unreadable metadata, a missing part) raises :class:`CheckpointDamaged`
@@ -56,15 +56,15 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from qsdp_jax import checkpoint_safety as safety
-from qsdp_jax.checkpoint_record import (
+from qsdp_jax._src import checkpoint_safety as safety
+from qsdp_jax._src.checkpoint_record import (
     FORMAT, CheckpointMismatch, check_format, check_match, comparable, describe, jsonable,
     library_version, moved_grids, refuse_grids,
 )
-from qsdp_jax.checkpoint_safety import CheckpointDamaged, CheckpointLocked
+from qsdp_jax._src.checkpoint_safety import CheckpointDamaged, CheckpointLocked
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.regrid import grid_leaf_keys
-from qsdp_jax.regrid import regrid as regrid_state
+from qsdp_jax._src.regrid import grid_leaf_keys
+from qsdp_jax._src.regrid import regrid as regrid_state
 
 __all__ = ["FORMAT", "CheckpointDamaged", "CheckpointLocked", "CheckpointMismatch", "Checkpointer",
            "export_state"]

@@ -15,7 +15,7 @@
 
 Shards are 1-D with a length that is a multiple of the bucket size; full buffers are the N
 shards concatenated in device order. The payload format (packed codes, then the stats) and its
-receive side live in :mod:`qsdp_jax.payload`.
+receive side live in :mod:`qsdp_jax._src.payload`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from qsdp_jax import kernels as qk
-from qsdp_jax import quantizers as qz
-from qsdp_jax import rotation as qr
-from qsdp_jax.payload import (  # noqa: F401  (the wire format; re-exported for callers of collectives)
+from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src import rotation as qr
+from qsdp_jax._src.payload import (  # noqa: F401  (the wire format; re-exported for callers of collectives)
     cpu_boundary,
     dequantize_rows,
     from_payload,
@@ -152,7 +152,7 @@ def quantized_reduce_scatter(
     quantizes with its own key (``key`` folded with its axis index), so the errors of different
     senders are independent; with stochastic rounding the result is unbiased. ``kernels``:
     ``QSDPConfig.kernels`` (:func:`qsdp_jax.kernels.select`). ``rotation``:
-    ``QSDPConfig.grad_rotation``, a Hadamard block size (:mod:`qsdp_jax.rotation`): chunk ``i``
+    ``QSDPConfig.grad_rotation``, a Hadamard block size (:mod:`qsdp_jax._src.rotation`): chunk ``i``
     is rotated with signs keyed by (``key``, ``i``) before quantizing, and the receiver undoes
     it after the sum. ``stats_dtype``: ``QSDPConfig.stats_dtype``.
     """

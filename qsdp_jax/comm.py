@@ -26,7 +26,7 @@ collective-permute     operand (= result)               ``B`` (0 if no pair move
 (``Collective.count``): the product of the trip counts of the ``while`` loops around it (a
 ``lax.scan`` compiles to a ``while``; nested loops multiply).
 
-How the HLO is read: see :mod:`qsdp_jax.hlo_reader` (loops multiply by their known trip count,
+How the HLO is read: see :mod:`qsdp_jax._src.hlo_reader` (loops multiply by their known trip count,
 every branch of a conditional counts, async collectives count once at their start).
 
 Bytes per mesh axis
@@ -56,7 +56,7 @@ from collections import defaultdict
 from fractions import Fraction
 from typing import Any, Callable
 
-from qsdp_jax.hlo_reader import (  # noqa: F401  (DTYPE_BITS, KINDS: part of this module's API)
+from qsdp_jax._src.hlo_reader import (  # noqa: F401  (DTYPE_BITS, KINDS: part of this module's API)
     DTYPE_BITS,
     KINDS,
     HloModule,
@@ -66,8 +66,8 @@ from qsdp_jax.hlo_reader import (  # noqa: F401  (DTYPE_BITS, KINDS: part of thi
     parse_module,
     parse_replica_groups,
 )
-from qsdp_jax import comm_table
-from qsdp_jax.hlo_sites import CollectiveSite, collective_sites
+from qsdp_jax._src import comm_table
+from qsdp_jax._src.hlo_sites import CollectiveSite, collective_sites
 
 __all__ = [
     "Collective",

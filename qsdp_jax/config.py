@@ -10,10 +10,10 @@ import dataclasses
 import re
 from typing import Literal
 
-from qsdp_jax.config_checks import check_bits as _check_bits
-from qsdp_jax.config_checks import check_choice as _check_choice
-from qsdp_jax.config_checks import check_int as _check_int
-from qsdp_jax.config_checks import fail as _fail
+from qsdp_jax._src.config_checks import check_bits as _check_bits
+from qsdp_jax._src.config_checks import check_choice as _check_choice
+from qsdp_jax._src.config_checks import check_int as _check_int
+from qsdp_jax._src.config_checks import fail as _fail
 
 WeightMode = Literal["qsdp", "comm", "full"]
 Rounding = Literal["stochastic", "nearest"]
@@ -51,7 +51,7 @@ class QSDPConfig:
       grad_rounding: ``"stochastic"`` (unbiased, the default) or ``"nearest"`` (biased).
       min_shard_size: leaves with fewer elements (per layer, for layer-stacked groups) stay
         full precision and replicated on every device: biases, norm scales.
-      seed: root of all quantization randomness (see ``qsdp_jax.quantizers.derive_key``).
+      seed: root of all quantization randomness (see ``qsdp_jax._src.quantizers.derive_key``).
       fp_comm_dtype: dtype of the collectives that are not quantized (``"float32"`` or
         ``"bfloat16"``); the bf16 FSDP baseline is ``weight_bits=grad_bits=None`` with
         ``fp_comm_dtype="bfloat16"``.
@@ -59,7 +59,7 @@ class QSDPConfig:
         fast, intra-node level).
       node_axis: hierarchical FSDP on a ``(node_axis, axis_name)`` mesh (e.g. ``("node",
         "local")``): the weights are sharded over both axes, node-major, and every collective
-        runs in two stages, one per level (see ``qsdp_jax.hierarchy``). None: a 1-D mesh.
+        runs in two stages, one per level (see ``qsdp_jax._src.hierarchy``). None: a 1-D mesh.
       replica_axis: hybrid sharding on a ``(replica_axis, axis_name)`` mesh (e.g. ``("replica",
         "fsdp")``): sharded inside a group along ``axis_name``, replicated across groups; the
         cross-group gradient reduction is quantized too. At most one of ``node_axis`` and
@@ -80,7 +80,7 @@ class QSDPConfig:
       bit_policy: per-leaf bits by parameter path, ordered rules ``(pattern, weight_bits,
         grad_bits)``, e.g. ``(("embed/*", 8, 8), ("head/out/*", 8, None))``. A sharded leaf
         takes the bits of the first rule whose pattern matches its path, unmatched leaves use
-        ``weight_bits`` / ``grad_bits`` (see ``qsdp_jax.policy`` for the path and pattern
+        ``weight_bits`` / ``grad_bits`` (see ``qsdp_jax._src.policy`` for the path and pattern
         language: ``fnmatch`` on ``"group/key/key"``). Leaves with other bits go into buffers of
         their own (one per distinct bits in a group), each with its own collectives and grid.
         Rule bits follow the global rules of the weight mode: in ``"full"`` mode the weight bits
@@ -90,7 +90,7 @@ class QSDPConfig:
         ``fp_comm_dtype``. On a two-level mesh a rule's bits apply on both levels.
         ``()`` (the default): no policy, the layout and step of a policy-less config.
       grad_rotation: None, or a Hadamard block size: rotate gradient chunks blockwise before
-        quantizing them for the reduce-scatter (``qsdp_jax.rotation``; 1-D meshes only).
+        quantizing them for the reduce-scatter (``qsdp_jax._src.rotation``; 1-D meshes only).
       stats_dtype: ``"float32"``, or ``"bfloat16"``: per-bucket scale and offset on the wire as
         bf16 (4 bytes per bucket instead of 8); ``"comm"`` / ``"full"`` modes only: kept on a
         bf16 grid, on-grid weights ratchet its range outward (``experiments/grid_walk.py``).

@@ -20,7 +20,7 @@ Where the settings come from, first match wins:
 10 s instead of jax's 100 s, so a dead peer does not freeze the others for minutes, and the
 start to 60 s instead of 300 s: processes that do not all connect by then each say why (nothing
 listens at the coordinator's address, or not every process joined) and exit with status 69
-(:func:`qsdp_jax.peers.connect_guard`); a process 0 whose port is taken stops at once.
+(:func:`qsdp_jax._src.peers.connect_guard`); a process 0 whose port is taken stops at once.
 
 Then :func:`check_agreement` (every process has process 0's settings, or all raise naming the
 difference) and :func:`watch_peers` (a process that dies, freezes or exits early ends the others
@@ -42,8 +42,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from qsdp_jax import peers
-from qsdp_jax.agreement import (  # noqa: F401  (part of this module's API)
+from qsdp_jax._src import peers
+from qsdp_jax._src.agreement import (  # noqa: F401  (part of this module's API)
     AgreementTimeout,
     SettingsMismatch,
     agree_on_error,
@@ -94,7 +94,7 @@ class DistributedSettings:
       heartbeat_timeout_s: seconds without a heartbeat after which a peer counts as dead.
       shutdown_timeout_s: seconds a finishing process waits for the others at shutdown.
       init_timeout_s: seconds the processes wait for each other at start; then each says what
-        is wrong (see :func:`qsdp_jax.peers.connect_guard`) and exits with status 69.
+        is wrong (see :func:`qsdp_jax._src.peers.connect_guard`) and exits with status 69.
       cluster_detection: ``None`` (auto), a jax method name (``"slurm"``, ``"ompi"``,
         ``"gcetpu"``, ``"gketpu"``, ``"mpi4py"``, ``"k8s"``) or ``"deactivate"``.
     """
@@ -280,7 +280,7 @@ def initialize(settings: DistributedSettings | None = None, **kwargs) -> Distrib
 
 
 def watch_peers(timeout_s: float = 10.0, **kwargs) -> "peers.PeerMonitor":
-    """Start a :class:`qsdp_jax.peers.PeerMonitor`: from now on, a process of the run that dies,
+    """Start a :class:`qsdp_jax._src.peers.PeerMonitor`: from now on, a process of the run that dies,
     freezes (``timeout_s``) or exits early ends every process with a message naming it and
     status 75. Call ``.finish()`` on the result when this process is done (or use it as a
     context manager); a no-op with one process. Give :func:`initialize` a heartbeat timeout

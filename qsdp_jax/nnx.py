@@ -22,9 +22,9 @@ step runs the module in training mode and the eval step in eval mode (as ``model
 the step was built.
 
 The parameter groups (the unit of one gather), the layer stacks and the model state come from
-the module tree (``qsdp_jax.nnx_tree``; ``describe(model).groups`` lists what was found). The
+the module tree (``qsdp_jax._src.nnx_tree``; ``describe(model).groups`` lists what was found). The
 step is ``qsdp_jax.make_train_step`` with a loss that merges the module from its cached
-``GraphDef`` with parameters gathered on first read (``qsdp_jax.nnx_scan``). Layer stacks are gathered one layer at a time where the forward
+``GraphDef`` with parameters gathered on first read (``qsdp_jax._src.nnx_scan``). Layer stacks are gathered one layer at a time where the forward
 scans them with :func:`scan` (the ``nnx.scan`` drop-in); read any other way a stack is
 gathered whole, with a warning, and ``step.summary(state, batch)`` states the memory this costs.
 
@@ -48,13 +48,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from qsdp_jax import guards, train
+from qsdp_jax import train
+
+from qsdp_jax._src import guards
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.nnx_scan import scan  # noqa: F401  (re-exported: qsdp_jax.nnx.scan)
-from qsdp_jax.nnx_scan import StepContext
-from qsdp_jax.nnx_tree import ModelDef, describe, group_params, model_state, set_model_state, set_params  # noqa: F401
-from qsdp_jax.nnx_tree import in_mode, mode_differences, state_mismatches
-from qsdp_jax.hierarchy import mesh_sizes
+from qsdp_jax._src.nnx_scan import scan  # noqa: F401  (re-exported: qsdp_jax.nnx.scan)
+from qsdp_jax._src.nnx_scan import StepContext
+from qsdp_jax._src.nnx_tree import ModelDef, describe, group_params, model_state, set_model_state, set_params  # noqa: F401
+from qsdp_jax._src.nnx_tree import in_mode, mode_differences, state_mismatches
+from qsdp_jax._src.hierarchy import mesh_sizes
 
 PyTree = Any
 
@@ -79,7 +81,7 @@ def init_state(
       optimizer: as for ``qsdp_jax.init_train_state``.
       mesh: the mesh the steps run on.
       config: the run's config.
-      stacked: the layer-stack groups, where the automatic rule (``qsdp_jax.nnx_tree``)
+      stacked: the layer-stack groups, where the automatic rule (``qsdp_jax._src.nnx_tree``)
         guesses wrong; pass the same to :func:`make_train_step`.
 
     Raises:

@@ -18,7 +18,7 @@ row-major and padded to whole buckets, holds buckets ``i * nb .. (i + 1) * nb - 
 
 **Communication** stays one collective per group (per layer): inside the step each group's local
 shards are packed into one flat buffer (each leaf's block padded to whole buckets, then
-concatenated: :mod:`qsdp_jax.packing`), all-gathered (quantized) and unpacked into the full
+concatenated: :mod:`qsdp_jax._src.packing`), all-gathered (quantized) and unpacked into the full
 leaves; the gradient comes back through one reduce-scatter of the same buffer. A bit policy
 gives a group one buffer per distinct bits.
 """
@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from qsdp_jax import policy
-from qsdp_jax.policy import Buffer, Slot
+from qsdp_jax._src import policy
+from qsdp_jax._src.policy import Buffer, Slot
 
 PyTree = Any
 
@@ -107,7 +107,7 @@ def check_mesh(mesh: Mesh, axis_name: str) -> int:
     """The size of ``axis_name`` in a 1-D ``mesh``; a clear error if the axis is missing.
 
     Multi-axis meshes (hierarchical ``node_axis`` / hybrid ``replica_axis``) are checked
-    against their config by :func:`qsdp_jax.hierarchy.mesh_sizes` instead; this helper
+    against their config by :func:`qsdp_jax._src.hierarchy.mesh_sizes` instead; this helper
     points there rather than guessing which axes shard the weights.
     """
     if not isinstance(mesh, Mesh):
@@ -120,7 +120,7 @@ def check_mesh(mesh: Mesh, axis_name: str) -> int:
     if len(mesh.axis_names) != 1:
         raise ValueError(
             f"check_mesh handles 1-D meshes only, got axes {mesh.axis_names}; for a 2-D mesh "
-            "use qsdp_jax.hierarchy.mesh_sizes(mesh, config), which checks it against "
+            "use qsdp_jax._src.hierarchy.mesh_sizes(mesh, config), which checks it against "
             "QSDPConfig.node_axis / replica_axis"
         )
     return mesh.shape[axis_name]
@@ -149,7 +149,7 @@ class LeafLayout:
     """
 
     index: int  # position among the group's leaves (treedef order)
-    path: str  # qsdp_jax.policy path, e.g. "blocks/attn/q"
+    path: str  # qsdp_jax._src.policy path, e.g. "blocks/attn/q"
     shape: tuple[int, ...]  # per layer
     dtype: str
     dim: int | None
@@ -212,7 +212,7 @@ class GroupLayout:
         return sum(b.chunk for b in self.buffers)
 
     def leaf_paths(self) -> list[str]:
-        """The ``qsdp_jax.policy`` path of every leaf, in treedef order."""
+        """The ``qsdp_jax._src.policy`` path of every leaf, in treedef order."""
         return [x.path for x in self.leaves]
 
 
@@ -335,7 +335,7 @@ class ParamLayout:
         return "\n".join(rows)
 
     def bits_table(self, config=None) -> str:
-        """The bits of every sharded leaf, buffer by buffer (see ``qsdp_jax.policy.bits_table``)."""
+        """The bits of every sharded leaf, buffer by buffer (see ``qsdp_jax._src.policy.bits_table``)."""
         return policy.bits_table(self, config)
 
 

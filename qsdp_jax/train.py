@@ -11,7 +11,7 @@ Usage::
 
 ``state.params`` is the model's own pytree of global arrays, each leaf sharded over the FSDP
 axis by the rule of :mod:`qsdp_jax.sharding`; the optimizer state is sharded like its params
-(:mod:`qsdp_jax.state_specs`). ``loss_fn(p: ParamAccess, batch) -> loss`` (or ``(loss, aux)``
+(:mod:`qsdp_jax._src.state_specs`). ``loss_fn(p: ParamAccess, batch) -> loss`` (or ``(loss, aux)``
 with ``has_aux=True``) reads its parameters through ``p.gather(group)`` / ``p.scan(group, body,
 carry)`` (``qsdp_jax.access``). One step:
 
@@ -21,7 +21,7 @@ carry)`` (``qsdp_jax.access``). One step:
    ``lax.scan`` and rematerialises the layer in the backward pass; the backward of each gather
    reduce-scatters that buffer's gradient (quantized), so each device receives the summed
    gradient of its own blocks; replicated small leaves' gradients are averaged
-   (:mod:`qsdp_jax.sharded_access`);
+   (:mod:`qsdp_jax._src.sharded_access`);
 2. **the optimizer in the global view**, outside the ``shard_map``: any optax transformation
    computes what it computes on one device; in ``"qsdp"`` mode ``qsdp_jax.optim.qsdp`` projects
    the new weights onto fresh grids per device block, and they are snapped exactly onto them;
@@ -42,12 +42,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qsdp_jax import optim as qoptim
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.grid import layout_context
-from qsdp_jax.guards import CheckedStep, check_params, check_stacked, warn_padding
-from qsdp_jax.hierarchy import device_mean, mesh_sizes
-from qsdp_jax.sharded_access import ShardedParams  # noqa: F401  (re-exported)
+from qsdp_jax._src.grid import layout_context
+from qsdp_jax._src.guards import CheckedStep, check_params, check_stacked, warn_padding
+from qsdp_jax._src.hierarchy import device_mean, mesh_sizes
+from qsdp_jax._src.sharded_access import ShardedParams  # noqa: F401  (re-exported)
 from qsdp_jax.sharding import ParamLayout
-from qsdp_jax.state_specs import opt_state_shardings, opt_state_specs
+from qsdp_jax._src.state_specs import opt_state_shardings, opt_state_specs
 
 PyTree = Any
 

@@ -1,5 +1,5 @@
 """Checkpoints a user cannot lose by habit: a script that ends without wait(), damaged files,
-two writers, read-only and full disks (qsdp_jax.checkpoint_safety)."""
+two writers, read-only and full disks (qsdp_jax._src.checkpoint_safety)."""
 
 from __future__ import annotations
 
@@ -147,10 +147,10 @@ def test_one_writer_per_directory(tmp_path):
 
 
 def test_a_killed_writer_leaves_no_stale_lock(tmp_path):
-    from qsdp_jax.checkpoint_safety import WriterLock
+    from qsdp_jax._src.checkpoint_safety import WriterLock
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from qsdp_jax.checkpoint_safety import WriterLock;"
+        [sys.executable, "-c", "import sys, time; from qsdp_jax._src.checkpoint_safety import WriterLock;"
          "WriterLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)", str(tmp_path)],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

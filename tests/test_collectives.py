@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
 from qsdp_jax import collectives as qc
-from qsdp_jax import quantizers as qz
+from qsdp_jax._src import quantizers as qz
 
 N = 8
 BUCKET = 64

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
 import toymodel
-from qsdp_jax import hierarchy as hi
+from qsdp_jax._src import hierarchy as hi
 from qsdp_jax import optim
 from qsdp_jax.collectives import payload_size
 

@@ -18,7 +18,7 @@ import toymodel
 from qsdp_jax import collectives as qc
 from qsdp_jax import kernels as qk
 from qsdp_jax import optim
-from qsdp_jax import quantizers as qz
+from qsdp_jax._src import quantizers as qz
 
 T = "interpret"
 N = 8

@@ -1,4 +1,4 @@
-"""qsdp_jax.peers and qsdp_jax.agreement without a cluster: the start-up guard's messages, the
+"""qsdp_jax._src.peers and qsdp_jax._src.agreement without a cluster: the start-up guard's messages, the
 coordinator port check, the settings comparison; one process makes every check a no-op."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import threading
 
 import pytest
 
-from qsdp_jax import agreement, distributed, peers
+from qsdp_jax import distributed
+
+from qsdp_jax._src import agreement, peers
 
 
 def _guard_message(capsys, address, process_id, n=2):

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
 from qsdp_jax import collectives as qc
-from qsdp_jax import quantizers as qz
+from qsdp_jax._src import quantizers as qz
 
 CHUNKS = 8
 BUCKETS = (64, 1024, 4096)  # the smallest, the default and the largest bucket the tests use

@@ -31,7 +31,7 @@ def check_kernels(out_dir: Path, bits_list=tuple(range(1, 9))) -> dict:
 
     from qsdp_jax import collectives as qc
     from qsdp_jax import kernels as qk
-    from qsdp_jax import quantizers as qz
+    from qsdp_jax._src import quantizers as qz
 
     target = _target(jax.default_backend())
     cpu = jax.devices("cpu")[0]

@@ -101,7 +101,7 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
     qz.add_argument("--bit-policy", type=parse_bit_policy, default=(), metavar="'PAT=W,G;...'",
                     help="per-leaf bits by parameter path, first match wins: e.g. "
                     "'embed*=8,8' keeps the embeddings at 8-bit weights and gradients (bits 1..8 "
-                    "or none; patterns are fnmatch on 'group/key/...' paths, see qsdp_jax.policy)")
+                    "or none; patterns are fnmatch on 'group/key/...' paths, see qsdp_jax._src.policy)")
     base = qz.add_mutually_exclusive_group()
     base.add_argument("--fp32", action="store_true",
                       help="the fp32 FSDP baseline (weight/grad bits none, mode full, fp32 comm)")

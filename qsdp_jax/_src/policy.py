@@ -125,7 +125,7 @@ class Buffer:
     """One flat buffer of a group: the group's sharded leaves that share one (weight_bits,
     grad_bits). Without a bit policy every group has one, keyed by the group's name."""
 
-    key: str  # the group's name, or "group@W8G8" (qsdp_jax.policy)
+    key: str  # the group's name, or "group@W8G8" (qsdp_jax._src.policy)
     group: str
     index: int  # 0: the buffer at the config's bits; 1, 2, ...: a policy's, in key order
     bits: tuple | None  # (weight_bits, grad_bits) from the bit policy; None: the config's

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from qsdp_jax.nnx_tree import Group, ModelDef, path_str, submodule
+from qsdp_jax._src.nnx_tree import Group, ModelDef, path_str, submodule
 
 _ACTIVE = threading.local()
 

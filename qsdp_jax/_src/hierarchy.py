@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from qsdp_jax import quantizers as qz
+from qsdp_jax._src import quantizers as qz
 from qsdp_jax.collectives import (
     GatherSpec,
     all_gather_fp,

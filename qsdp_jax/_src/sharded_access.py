@@ -2,7 +2,7 @@
 
 Inside the step's ``shard_map`` each device holds its block of every sharded leaf (and the
 whole of every replicated one). ``gather(group)`` packs the group's blocks into its flat
-buffer(s) (:func:`qsdp_jax.packing.pack`), all-gathers them (quantized per the config; lossless
+buffer(s) (:func:`qsdp_jax._src.packing.pack`), all-gathers them (quantized per the config; lossless
 in ``"qsdp"`` mode, where the blocks lie on the grid held by the optimizer), and unpacks the full
 leaves; the backward pass of the gather reduce-scatters the buffer's gradient (quantized), so
 each device receives the summed gradient of its own blocks. ``scan(group, ...)`` does the same one
@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qsdp_jax import packing
-from qsdp_jax import quantizers as qz
+from qsdp_jax._src import packing
+from qsdp_jax._src import quantizers as qz
 from qsdp_jax.collectives import make_gather
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.hierarchy import gather_spec
-from qsdp_jax.policy import Buffer
+from qsdp_jax._src.hierarchy import gather_spec
+from qsdp_jax._src.policy import Buffer
 from qsdp_jax.sharding import GroupLayout, ParamLayout
 
 PyTree = Any

@@ -1,6 +1,6 @@
 """Where the collectives of an HLO module run and how often per step: the call graph walked
 from the entry computation, ``while`` trip counts multiplied along it (rules in
-:mod:`qsdp_jax.hlo_reader`'s docstring). :mod:`qsdp_jax.comm` turns each site into wire bytes."""
+:mod:`qsdp_jax._src.hlo_reader`'s docstring). :mod:`qsdp_jax.comm` turns each site into wire bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from qsdp_jax.hlo_reader import (
+from qsdp_jax._src.hlo_reader import (
     _UNMODELED,
     KINDS,
     HloModule,

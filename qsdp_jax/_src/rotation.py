@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qsdp_jax import quantizers as qz
+from qsdp_jax._src import quantizers as qz
 
 PURPOSE_ROTATION = 0x0707  # folded into the reduce-scatter key: the signs' own stream
 

@@ -42,7 +42,7 @@ from typing import Callable, cast
 
 from jax._src import distributed as jax_distributed
 
-from qsdp_jax import agreement
+from qsdp_jax._src import agreement
 
 __all__ = ["EXIT_NOT_CONNECTED", "EXIT_PEER_LOST", "PeerMonitor", "check_port_free",
            "connect_guard"]

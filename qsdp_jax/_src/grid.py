@@ -28,8 +28,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from qsdp_jax import kernels as qk
-from qsdp_jax import policy
-from qsdp_jax import quantizers as qz
+from qsdp_jax._src import policy
+from qsdp_jax._src import quantizers as qz
 from qsdp_jax.sharding import ParamLayout, leaf_spec
 
 PURPOSE_WEIGHT = 1

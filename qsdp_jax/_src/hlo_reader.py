@@ -1,5 +1,5 @@
 """Reading XLA's optimized HLO text: shapes, replica groups, computations and instructions.
-:mod:`qsdp_jax.hlo_sites` finds where the collectives run and how often; :mod:`qsdp_jax.comm`
+:mod:`qsdp_jax._src.hlo_sites` finds where the collectives run and how often; :mod:`qsdp_jax.comm`
 turns that into wire bytes.
 
 How the HLO is read

@@ -1,6 +1,6 @@
 """The wire format of one quantized buffer, and its receive side.
 
-One uint8 payload per :class:`~qsdp_jax.quantizers.QTensor`: ``[packed codes | scales bytes |
+One uint8 payload per :class:`~qsdp_jax._src.quantizers.QTensor`: ``[packed codes | scales bytes |
 offsets bytes]`` (the stats as float32, or bfloat16 with ``stats_dtype="bfloat16"``), built by
 :func:`to_payload` (or the Pallas packing through :func:`payload_kernels`) and read back by
 :func:`from_payload`. :func:`dequantize_rows` dequantizes (and with ``summed`` sums, in the
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qsdp_jax import quantizers as qz
+from qsdp_jax._src import quantizers as qz
 
 def payload_size(n: int, bits: int, bucket: int, stats_dtype: str = "float32") -> int:
     """Bytes of the payload of ``n`` elements: packed codes plus a scale and an offset per

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh
 
-from qsdp_jax import grid as qgrid
+from qsdp_jax._src import grid as qgrid
 from qsdp_jax import optim as qoptim
 from qsdp_jax.config import QSDPConfig
 

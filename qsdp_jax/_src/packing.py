@@ -24,7 +24,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from qsdp_jax.policy import Buffer
+from qsdp_jax._src.policy import Buffer
 
 
 def pack(buffer: Buffer, blocks: Sequence[jax.Array], bucket: int, lead: int = 0) -> jax.Array:

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 # counter-based randomness: its own module, re-exported here (``qz.hash_uniform``, ...)
-from qsdp_jax.randomness import GOLDEN, derive_key, hash_uniform, mix32  # noqa: F401
+from qsdp_jax._src.randomness import GOLDEN, derive_key, hash_uniform, mix32  # noqa: F401
 
 QRounding = Literal["stochastic", "nearest", "shift"]
 ROUNDINGS = ("stochastic", "nearest", "shift")
