@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: demo test lint venv clean bench convergence
+.PHONY: demo test lint docs venv clean bench convergence
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,9 +23,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
-# ruff's bug-finding rules (pyproject.toml's [tool.ruff] says which, and why no `ruff format`).
+# ruff's bug-finding rules and mypy (pyproject.toml's [tool.ruff] and [tool.mypy] say which, and why).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+# The documentation site (Sphinx + MyST, API pages from the docstrings), warnings as errors.
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -q -W --keep-going -b html docs docs/_build/html
 
 # Benchmarks (write JSON under experiments/results/).
 bench: $(STAMP)
@@ -36,4 +41,4 @@ convergence: $(STAMP)
 	$(PY) -m experiments.convergence
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache docs/_build docs/results/generated
