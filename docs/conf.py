@@ -1,5 +1,10 @@
 """Sphinx configuration: MyST Markdown pages, API pages from the docstrings (autodoc + napoleon).
 
+Why Sphinx + MyST rather than MkDocs: the projects our users read daily (JAX, Flax, optax, orbax,
+qwix) document themselves this way, so the API pages look and link the way they expect;
+autodoc + napoleon read the Google-style docstrings directly; MyST keeps every page Markdown, so
+the same files read well on GitHub.
+
 Built by ``make docs`` with warnings as errors (``.ci/run`` runs it before the tests). The results
 pages include tables that ``_ext/results_tables.py`` renders from the committed JSON under
 ``experiments/results/`` with the experiments' own report code, each time the docs are built.
