@@ -25,10 +25,29 @@ ScanBody = Callable[[Any, PyTree, Any], tuple[Any, Any]]
 
 
 class ParamAccess(Protocol):
-    """What a loss function may do with its parameters."""
+    """What a loss function may do with its parameters.
+
+    A ``typing.Protocol``: the loss receives :class:`LocalParams` on one device, or the sharded
+    step's implementation (``qsdp_jax._src.sharded_access.ShardedParams``) inside
+    ``qsdp_jax.make_train_step``; it never builds one itself.
+    """
 
     def gather(self, group: str) -> PyTree:
-        """The full (unsharded) parameters of a non-stacked group."""
+        """The full (unsharded) parameters of a non-stacked group.
+
+        In the sharded step this is the group's (quantized) all-gather; its backward
+        reduce-scatters the gradient.
+
+        Args:
+          group: the group's name (a key of the params dict).
+
+        Returns:
+          The group's pytree, every leaf at its full shape.
+
+        Raises:
+          KeyError: no group of that name.
+          ValueError: (sharded step) the group is layer-stacked: read it with :meth:`scan`.
+        """
         ...
 
     def scan(
@@ -42,16 +61,39 @@ class ParamAccess(Protocol):
     ) -> tuple[Any, Any]:
         """``lax.scan`` over the layers of a stacked group.
 
-        ``body(carry, layer_params, x)`` receives the full parameters of one layer (leading
-        layer axis removed) and the matching slice of ``xs``; returns ``(carry, y)``.
-        With ``remat=True`` the body is rematerialised in the backward pass (in the sharded
-        step this re-gathers the layer instead of keeping its weights alive).
+        In the sharded step each iteration gathers one layer, so peak memory holds a single
+        layer's full weights.
+
+        Args:
+          group: the name of a stacked group (named in ``stacked``).
+          body: ``body(carry, layer_params, x) -> (carry, y)``; it receives the full parameters
+            of one layer (leading layer axis removed) and the matching slice of ``xs``.
+          init: the initial carry.
+          xs: per-layer inputs scanned along their leading axis (one entry per layer), or None
+            (the default): ``x`` is None.
+          remat: rematerialise the body in the backward pass (the default; in the sharded step
+            this re-gathers the layer instead of keeping its weights alive).
+
+        Returns:
+          ``(carry, ys)`` as ``lax.scan`` returns them, the final carry and the stacked ``y``.
+
+        Raises:
+          KeyError: no group of that name.
+          ValueError: (sharded step) the group is not layer-stacked: read it with
+            :meth:`gather`.
         """
         ...
 
 
 class LocalParams:
-    """:class:`ParamAccess` over a plain, unsharded parameter dict (one device, no comms)."""
+    """:class:`ParamAccess` over a plain, unsharded parameter dict (one device, no comms).
+
+    Args:
+      params: the parameter dict of groups (stacked groups with their leading layer axis).
+
+    Raises:
+      TypeError: ``params`` is not a dict.
+    """
 
     def __init__(self, params: dict[str, PyTree]):
         if not isinstance(params, dict):
@@ -61,9 +103,35 @@ class LocalParams:
         self._params = params
 
     def gather(self, group: str) -> PyTree:
+        """The parameters of ``group`` as they are in the dict (no copy, no communication).
+
+        Args:
+          group: the group's name.
+
+        Returns:
+          The group's pytree (a stacked group's too; nothing is checked about stacking here).
+
+        Raises:
+          KeyError: no group of that name.
+        """
         return self._params[_check_group(self._params, group)]
 
     def scan(self, group, body, init, xs=None, *, remat=True):
+        """``lax.scan`` of ``body`` over the leading (layer) axis of ``group``'s leaves.
+
+        Args:
+          group: the name of a stacked group.
+          body: ``body(carry, layer_params, x) -> (carry, y)``, as in :meth:`ParamAccess.scan`.
+          init: the initial carry.
+          xs: per-layer inputs (leading axis: the layers), or None.
+          remat: wrap the body in ``jax.checkpoint`` (default True).
+
+        Returns:
+          ``(carry, ys)`` from ``lax.scan``.
+
+        Raises:
+          KeyError: no group of that name.
+        """
         stacked = self._params[_check_group(self._params, group)]
 
         def step(carry, inputs):

@@ -72,7 +72,17 @@ PyTree = Any
 
 
 def export_state(state, mesh: Mesh) -> dict[str, jax.Array]:
-    """``{leaf path: array}`` of every leaf of ``state``, replicated on ``mesh``."""
+    """Every leaf of ``state`` replicated on ``mesh``, keyed by its path (what
+    :meth:`Checkpointer.save` stores).
+
+    Args:
+      state: a pytree of arrays, e.g. a :class:`~qsdp_jax.TrainState` (on ``mesh``).
+      mesh: the mesh to replicate the leaves on.
+
+    Returns:
+      A dict ``{leaf path: array}`` from ``jax.tree_util.keystr`` of each leaf's path (e.g.
+      ``".params['embed']['w']"``) to a global array replicated on every device of ``mesh``.
+    """
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     out = _replicate(mesh)([x for _, x in leaves])
     return {jax.tree_util.keystr(p): x for (p, _), x in zip(leaves, out)}
@@ -103,12 +113,18 @@ class Checkpointer:
     Use it as a context manager (or call :meth:`close`); pending saves are completed at
     interpreter exit in any case.
 
+    An existing directory this process cannot write (a read-only mount, another user's run) is
+    opened read-only: restoring works, saving raises ``OSError``.
+
     Args:
       directory: where step directories go (created if missing).
-      keep: how many most recent complete checkpoints to keep (older ones are deleted after a
-        newer one is complete).
-      async_save: write in a background thread (the arrays are copied off the devices first,
-        so training may go on and donate its buffers).
+      keep: how many most recent complete checkpoints to keep, an integer >= 1 (default 3;
+        older ones are deleted after a newer one is complete).
+      async_save: write in a background thread (the default; the arrays are copied off the
+        devices first, so training may go on and donate its buffers).
+
+    Raises:
+      ValueError: ``keep`` is not an integer >= 1.
     """
 
     def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
@@ -129,21 +145,37 @@ class Checkpointer:
 
     # -- queries --
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step, or None (complete: fully written; whether it is
-        intact is checked when it is restored)."""
+        """The newest complete checkpoint's step (complete: fully written; whether it is intact
+        is checked when it is restored).
+
+        Returns:
+          The step, or None when the directory holds no complete checkpoint.
+        """
         self._manager.reload()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        """The steps of every complete checkpoint, oldest first."""
+        """The steps of every complete checkpoint.
+
+        Returns:
+          The steps, oldest first (empty when there is none).
+        """
         self._manager.reload()
         return list(self._manager.all_steps())
 
     def metadata(self, step: int | None = None) -> dict:
-        """The JSON record stored with a checkpoint (default: the latest).
+        """The JSON record stored with a checkpoint (see the module docstring).
+
+        Args:
+          step: the checkpoint's step; None (the default): the newest complete one.
+
+        Returns:
+          The record, a dict of the config, layout, grids, leaves (shape and dtype), mesh
+          shape, library version, step, ``identity``, ``extra`` and checksums.
 
         Raises:
           CheckpointDamaged: naming the file, when the record cannot be read.
+          FileNotFoundError: no complete checkpoint (of ``step``, when given).
         """
         step = self._pick(step)
         try:
@@ -173,8 +205,9 @@ class Checkpointer:
           False if a checkpoint of that step exists already, else True.
 
         Raises:
-          CheckpointLocked: another Checkpointer is writing into this directory.
-          OSError: the directory cannot be written.
+          CheckpointLocked: another Checkpointer is writing into this directory (checked on
+            process 0, which takes the directory's writer lock at its first save).
+          OSError: the directory cannot be written (opened read-only, or no permission).
         """
         if self.read_only:
             raise OSError(errno.EROFS, f"cannot save into {self.directory}: it is not writable "
@@ -217,17 +250,25 @@ class Checkpointer:
           config: this run's config.
           mesh: this run's mesh.
           step: the step to restore (default: the newest complete one; a damaged one is skipped
-            with a warning for the next older one).
+            with a warning for the next older one, and once one restores the damaged steps'
+            directories are renamed ``<step>.damaged``). A given step is restored or refused,
+            never replaced by another.
           identity: what must match the saved run's (e.g. its settings).
           regrid: where a weight grid's buckets differ on this mesh (see the module docstring),
             re-project those weights onto this mesh's grid by round to nearest (each moves by
-            at most half a grid step) instead of refusing. Needs a concrete template.
+            at most half a grid step, with a warning) instead of refusing. Needs a concrete
+            template. Default False.
+
+        Returns:
+          A tuple ``(state, extra)`` of the restored state, every leaf placed as ``template``'s
+          is, and the ``extra`` dict saved with it (``{}`` when none was given).
 
         Raises:
-          CheckpointMismatch: naming the field, when the config, layout, grids, leaves or
-            ``identity`` differ.
+          CheckpointMismatch: naming the field, when the config (mesh-placement fields aside),
+            layout, grids, leaves (structure, shapes, dtypes), ``identity`` or the checkpoint
+            format differ.
           CheckpointDamaged: the step asked for is damaged, or (no step given) every one is.
-          FileNotFoundError: when there is no complete checkpoint.
+          FileNotFoundError: when there is no complete checkpoint (of ``step``, when given).
         """
         self.wait()
         if step is not None:
@@ -308,11 +349,20 @@ class Checkpointer:
         return state, meta.get("extra", {})
 
     def load_arrays(self, step: int | None = None) -> dict[str, np.ndarray]:
-        """The stored arrays ``{leaf path: numpy array}`` (zero-size ones included), checked
-        against their saved checksums, e.g. to compare two runs' final states.
+        """The stored arrays, checked against their saved checksums, e.g. to compare two runs'
+        final states.
+
+        Args:
+          step: the checkpoint's step; None (the default): the newest complete one.
+
+        Returns:
+          ``{leaf path: numpy array}`` of every leaf of the saved state (zero-size ones
+          included), the paths as :func:`export_state` names them.
 
         Raises:
           CheckpointDamaged: the step's files cannot be read or do not hold what was saved.
+          CheckpointMismatch: the checkpoint was written in another format.
+          FileNotFoundError: no complete checkpoint (of ``step``, when given).
         """
         step = self._pick(step)
         meta = self.metadata(step)
@@ -343,11 +393,21 @@ class Checkpointer:
         return out
 
     def wait(self) -> None:
-        """Block until pending asynchronous saves are complete (re-raising a failed save)."""
+        """Block until pending asynchronous saves are complete (re-raising a failed save).
+
+        Raises:
+          Exception: the error of a background save that failed (whatever orbax raised).
+        """
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Complete pending saves, close orbax's manager and release the directory. Idempotent."""
+        """Complete pending saves, close orbax's manager and release the directory. Idempotent.
+
+        The directory's writer lock is released even when a pending save failed.
+
+        Raises:
+          Exception: the error of a background save that failed, as :meth:`wait`.
+        """
         if self._closed:
             return
         try:

@@ -61,15 +61,34 @@ def quantized_all_gather(
 ) -> jax.Array:
     """Gather a 1-D shard from every device on ``axis_name``, quantized on the wire.
 
+    Call it inside ``jax.shard_map`` over a mesh with ``axis_name``. One ``all_gather`` of one
+    uint8 buffer per device: the packed codes, then the per-bucket scales and offsets.
+
     Args:
-      grid: ``(scales, offsets)`` of a grid the shard already lies on (QSDP mode); the codes are
-        recovered exactly and the result equals the plain gather bit for bit.
-      rounding, key: how to quantize when no grid is given (``"nearest"``: ZeRO++-style).
+      shard: this device's 1-D shard, its length a multiple of ``bucket`` (any float dtype;
+        quantized as float32).
+      bits: bits per code, 1..8.
+      bucket: elements per (scale, offset) pair, a multiple of 8.
+      axis_name: the mesh axis to gather over.
+      grid: ``(scales, offsets)`` of a grid the shard already lies on (QSDP mode), one of each
+        per bucket; the codes are recovered exactly and the result equals the plain gather bit
+        for bit. None (the default): quantize on each bucket's min/max grid with ``rounding``.
+      rounding: how to quantize when no grid is given: ``"nearest"`` (the default,
+        ZeRO++-style), ``"stochastic"`` or ``"shift"`` (both need ``key``).
+      key: the uint32 key of the rounding's randomness (``qsdp_jax._src.randomness.derive_key``);
+        unused with a grid or ``"nearest"``.
       kernels: ``QSDPConfig.kernels``: who quantizes + packs and unpacks + dequantizes
-        (:func:`qsdp_jax.kernels.select`).
-      stats_dtype: ``QSDPConfig.stats_dtype``: per-bucket stats on the wire as float32 or bf16
-        (a ``grid`` must then hold bf16 values).
-    Returns the float32 full buffer, ``axis_size * len(shard)`` elements.
+        (:func:`qsdp_jax.kernels.select`); default ``"auto"``.
+      stats_dtype: ``QSDPConfig.stats_dtype``: per-bucket stats on the wire as ``"float32"``
+        (the default) or ``"bfloat16"`` (a ``grid`` must then hold bf16 values).
+
+    Returns:
+      The float32 full buffer of ``axis_size * len(shard)`` elements, the shards in device order.
+
+    Raises:
+      ValueError: ``bits`` not in 1..8, a shard length that is not whole buckets, an unknown
+        ``kernels`` or ``stats_dtype``; without a grid, an unknown ``rounding``, a rounding that
+        needs a key without one, or ``"shift"`` with bf16 stats.
     """
     n = shard.shape[-1]
     payload = quantize_payload(shard, bits=bits, bucket=bucket, grid=grid, rounding=rounding,
@@ -123,6 +142,15 @@ def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -
 
     bfloat16 travels bitcast to uint16: XLA's CPU backend otherwise widens bf16 collectives to
     f32, and the bytes on the wire would not be the ones the baseline claims.
+
+    Args:
+      shard: this device's shard (gathered along its first axis).
+      axis_name: the mesh axis to gather over.
+      dtype: the wire dtype, ``"float32"`` (the default) or ``"bfloat16"``
+        (``QSDPConfig.fp_comm_dtype``; any other value is taken as bfloat16).
+
+    Returns:
+      The float32 concatenation of every device's shard along the first axis, in device order.
     """
     if dtype == "float32":
         return lax.all_gather(shard.astype(jnp.float32), axis_name, axis=0, tiled=True)
@@ -148,13 +176,34 @@ def quantized_reduce_scatter(
 ) -> jax.Array:
     """Sum a 1-D buffer over ``axis_name`` and keep this device's chunk, quantized on the wire.
 
-    ``full`` has ``N * chunk`` elements, ``chunk`` a multiple of ``bucket``. Each sender
-    quantizes with its own key (``key`` folded with its axis index), so the errors of different
-    senders are independent; with stochastic rounding the result is unbiased. ``kernels``:
-    ``QSDPConfig.kernels`` (:func:`qsdp_jax.kernels.select`). ``rotation``:
-    ``QSDPConfig.grad_rotation``, a Hadamard block size (:mod:`qsdp_jax._src.rotation`): chunk ``i``
-    is rotated with signs keyed by (``key``, ``i``) before quantizing, and the receiver undoes
-    it after the sum. ``stats_dtype``: ``QSDPConfig.stats_dtype``.
+    Call it inside ``jax.shard_map``. Each device quantizes its ``full`` buffer as N chunks
+    (chunk ``i`` for device ``i``), one ``all_to_all`` moves the packed bytes, and each device
+    dequantizes and sums the N chunks it received in float32. Each sender quantizes with its own
+    key (``key`` folded with its axis index), so the errors of different senders are
+    independent; with stochastic rounding the result is unbiased.
+
+    Args:
+      full: this device's full 1-D buffer of ``N * chunk`` elements (N the size of
+        ``axis_name``), ``chunk`` a multiple of ``bucket``.
+      bits: bits per code, 1..8.
+      bucket: elements per (scale, offset) pair, a multiple of 8.
+      axis_name: the mesh axis to reduce over.
+      key: the uint32 key of the rounding's randomness, the same on every device
+        (``qsdp_jax._src.randomness.derive_key``).
+      rounding: ``"stochastic"`` (the default, unbiased), ``"nearest"`` or ``"shift"``.
+      kernels: ``QSDPConfig.kernels`` (:func:`qsdp_jax.kernels.select`); default ``"auto"``.
+      rotation: ``QSDPConfig.grad_rotation``, None (the default) or a Hadamard block size (a
+        power of 2 >= 2 dividing ``chunk``; :mod:`qsdp_jax._src.rotation`): chunk ``i`` is
+        rotated with signs keyed by (``key``, ``i``) before quantizing, and the receiver undoes
+        it after the sum.
+      stats_dtype: ``QSDPConfig.stats_dtype``: ``"float32"`` (the default) or ``"bfloat16"``.
+
+    Returns:
+      This device's chunk of the sum over devices, float32, ``chunk`` elements.
+
+    Raises:
+      ValueError: ``full`` does not split into N chunks of whole buckets; ``bits`` not in 1..8;
+        an unknown ``rounding``, ``kernels`` or ``stats_dtype``; an invalid ``rotation``.
     """
     num = lax.axis_size(axis_name)
     n = full.shape[-1]
@@ -194,6 +243,15 @@ def reduce_scatter_fp(full: jax.Array, *, axis_name: str, dtype: str = "float32"
     float32 is XLA's reduce-scatter. bfloat16 is an ``all_to_all`` of the bf16 chunks (bitcast
     to uint16, see :func:`all_gather_fp`) summed in float32: the same bytes as a bf16
     reduce-scatter, with a float32 sum.
+
+    Args:
+      full: this device's full 1-D buffer, its length a multiple of the size of ``axis_name``.
+      axis_name: the mesh axis to reduce over.
+      dtype: the wire dtype, ``"float32"`` (the default) or ``"bfloat16"``
+        (``QSDPConfig.fp_comm_dtype``; any other value is taken as bfloat16).
+
+    Returns:
+      This device's chunk (``len(full) / N`` elements) of the sum over devices, float32.
     """
     if dtype == "float32":
         return lax.psum_scatter(full.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
@@ -211,7 +269,21 @@ class GatherSpec:
     """Static description of how one buffer is gathered and its gradient reduce-scattered.
 
     weight_mode ``"qsdp"`` needs a grid at call time; ``"comm"`` rounds to nearest on the fly;
-    ``"full"`` sends ``fp_dtype``. ``grad_bits=None`` reduce-scatters in ``fp_dtype``.
+    ``"full"`` sends ``fp_dtype``. ``grad_bits=None`` reduce-scatters in ``fp_dtype``. Frozen
+    and hashable: :func:`make_gather` caches one differentiable gather per spec.
+
+    Attributes:
+      axis_name: the mesh axis of both collectives.
+      bucket: elements per (scale, offset) pair (``QSDPConfig.bucket_size``).
+      weight_mode: ``"qsdp"``, ``"comm"`` or ``"full"`` (``QSDPConfig.weight_mode``).
+      weight_bits: bits of the weight gather; None in ``"full"`` mode.
+      grad_bits: bits of the gradient reduce-scatter, or None for ``fp_dtype``.
+      grad_rounding: the gradients' rounding, ``"stochastic"`` (the default) or ``"nearest"``.
+      fp_dtype: dtype of the collectives that are not quantized, ``"float32"`` (the default) or
+        ``"bfloat16"`` (``QSDPConfig.fp_comm_dtype``).
+      kernels: ``QSDPConfig.kernels`` (default ``"auto"``).
+      grad_rotation: ``QSDPConfig.grad_rotation`` (default None).
+      stats_dtype: ``QSDPConfig.stats_dtype`` (default ``"float32"``).
     """
 
     axis_name: str
@@ -227,6 +299,16 @@ class GatherSpec:
 
     @classmethod
     def from_config(cls, config) -> "GatherSpec":
+        """The spec of a config's collectives on its ``axis_name`` (one level: the two-level
+        meshes' collectives are built elsewhere, ``qsdp_jax._src.hierarchy``).
+
+        Args:
+          config: a :class:`~qsdp_jax.QSDPConfig`.
+
+        Returns:
+          The spec with the config's axis name, bucket size, weight mode and bits, gradient
+          bits and rounding, ``fp_comm_dtype``, kernels, gradient rotation and stats dtype.
+        """
         return cls(
             grad_rotation=config.grad_rotation,
             stats_dtype=config.stats_dtype,
@@ -241,6 +323,19 @@ class GatherSpec:
         )
 
     def gather(self, shard, grid):
+        """The forward collective: all-gather ``shard`` as this spec says.
+
+        Args:
+          shard: this device's 1-D shard.
+          grid: ``(scales, offsets)`` of the grid the shard lies on, in ``"qsdp"`` mode (ignored
+            otherwise).
+
+        Returns:
+          The float32 full buffer (:func:`quantized_all_gather` or :func:`all_gather_fp`).
+
+        Raises:
+          ValueError: ``"qsdp"`` mode without a grid, or as :func:`quantized_all_gather`.
+        """
         if self.weight_mode == "full":
             return all_gather_fp(shard, axis_name=self.axis_name, dtype=self.fp_dtype)
         if self.weight_mode == "qsdp" and grid is None:
@@ -258,6 +353,19 @@ class GatherSpec:
         )
 
     def reduce_scatter(self, full, key):
+        """The backward collective: reduce-scatter (sum) ``full`` as this spec says.
+
+        Args:
+          full: this device's full 1-D buffer (a gradient).
+          key: the uint32 key of the quantization's randomness (unused with ``grad_bits=None``).
+
+        Returns:
+          This device's float32 chunk of the sum (:func:`quantized_reduce_scatter` or
+          :func:`reduce_scatter_fp`).
+
+        Raises:
+          ValueError: as :func:`quantized_reduce_scatter`.
+        """
         if self.grad_bits is None:
             return reduce_scatter_fp(full, axis_name=self.axis_name, dtype=self.fp_dtype)
         return quantized_reduce_scatter(
@@ -275,9 +383,18 @@ class GatherSpec:
 
 @functools.lru_cache(maxsize=None)
 def make_gather(spec: GatherSpec):
-    """``gather(shard, grid, key) -> full``: forward ``spec.gather``; backward reduce-scatters
-    the cotangent with ``spec.reduce_scatter`` under ``key`` (summed over devices, not averaged).
-    ``grid`` and ``key`` get no gradient."""
+    """The differentiable gather of ``spec``: a ``custom_vjp`` pairing the two collectives.
+
+    Cached: one function per (hashable) spec.
+
+    Args:
+      spec: the :class:`GatherSpec`.
+
+    Returns:
+      The function ``gather(shard, grid, key) -> full``. Forward ``spec.gather(shard, grid)``;
+      backward reduce-scatters the cotangent (as float32) with ``spec.reduce_scatter`` under
+      ``key`` (summed over devices, not averaged). ``grid`` and ``key`` get no gradient.
+    """
 
     @jax.custom_vjp
     def gather(shard, grid, key):

@@ -121,7 +121,17 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class CommReport:
-    """All collectives of one compiled program with their per-device, per-step wire bytes."""
+    """All collectives of one compiled program with their per-device, per-step wire bytes.
+
+    Made by :func:`comm_report` / :func:`comm_report_from_hlo`.
+
+    Attributes:
+      collectives: one :class:`Collective` per instruction and element type.
+      num_devices: the devices of the program (what an empty ``replica_groups={}`` means).
+      warnings: what the reader could not model or had to guess (unmodelled ops such as
+        ``send`` / ``recv``, loops of unknown trip count, operand shapes derived from results);
+        also printed by :meth:`table`.
+    """
 
     collectives: tuple[Collective, ...]
     num_devices: int
@@ -133,28 +143,64 @@ class CommReport:
         return float(sum(c.bytes_on_wire for c in self.collectives))
 
     def by_kind(self) -> dict[str, float]:
-        """Wire bytes summed by collective kind."""
+        """Wire bytes summed by collective kind.
+
+        Returns:
+          ``{kind: bytes}`` (e.g. ``{"all-gather": ..., "reduce-scatter": ...}``), kinds that occur.
+        """
         return self._sum(lambda c: c.kind)
 
     def by_dtype(self) -> dict[str, float]:
-        """Wire bytes summed by element type."""
+        """Wire bytes summed by element type.
+
+        Returns:
+          ``{dtype: bytes}`` with HLO element types (``"f32"``, ``"u8"``...) that occur.
+        """
         return self._sum(lambda c: c.dtype)
 
     def by_kind_dtype(self) -> dict[tuple[str, str], float]:
-        """Wire bytes summed by ``(kind, dtype)``."""
+        """Wire bytes summed by ``(kind, dtype)``.
+
+        Returns:
+          ``{(kind, dtype): bytes}``.
+        """
         return self._sum(lambda c: (c.kind, c.dtype))
 
     def by_axis(self, mesh: Any) -> dict[str, float]:
-        """Wire bytes summed by the mesh axes each collective's groups span: ``"local"``,
-        ``"node"``, ``"node+local"`` (axis names joined in mesh order), ``"none"`` when no
-        data moves. ``mesh``: a ``jax.sharding.Mesh`` (or anything with an ordered
-        ``.shape`` mapping) or a mapping ``{axis name: size}``, outermost axis first."""
+        """Wire bytes summed by the mesh axes each collective's groups span.
+
+        Args:
+          mesh: the program's mesh: a ``jax.sharding.Mesh`` (or anything with an ordered
+            ``.shape`` mapping) or a mapping ``{axis name: size}``, outermost axis first; its
+            sizes must multiply to :attr:`num_devices`.
+
+        Returns:
+          ``{axes: bytes}`` keyed ``"local"``, ``"node"``, ``"node+local"`` (axis names joined
+          in mesh order), ``"none"`` when no data moves.
+
+        Raises:
+          TypeError: ``mesh`` is neither a mesh nor a mapping.
+          ValueError: the mesh's size is not :attr:`num_devices`, or a group holds a device
+            position outside it.
+        """
         shape = _mesh_sizes(mesh, self.num_devices)
         return self._sum(lambda c: "+".join(axes_spanned(c.replica_groups, shape)) or "none")
 
     def bytes_spanning(self, mesh: Any, axis: str) -> float:
         """Bytes of the collectives whose groups cross ``axis`` (e.g. the inter-node bytes
-        on a ``("node", "local")`` mesh with ``axis="node"``)."""
+        on a ``("node", "local")`` mesh with ``axis="node"``).
+
+        Args:
+          mesh: the program's mesh, as for :meth:`by_axis`.
+          axis: the name of one of its axes.
+
+        Returns:
+          The wire bytes per device per step of the collectives spanning ``axis``.
+
+        Raises:
+          TypeError: ``mesh`` is neither a mesh nor a mapping.
+          ValueError: ``axis`` is not an axis of ``mesh``, or as for :meth:`by_axis`.
+        """
         shape = _mesh_sizes(mesh, self.num_devices)
         if axis not in shape:
             raise ValueError(f"axis {axis!r} is not a mesh axis; the mesh has {tuple(shape)}")
@@ -168,7 +214,13 @@ class CommReport:
         return dict(out)
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable summary (``by_kind_dtype`` keys are ``"kind/dtype"``)."""
+        """A JSON-serialisable summary.
+
+        Returns:
+          ``{"total_bytes", "num_devices", "by_kind", "by_dtype", "by_kind_dtype",
+          "collectives", "warnings"}``: ``by_kind_dtype`` keyed ``"kind/dtype"``, each
+          collective as a dict of its fields without ``replica_groups``.
+        """
         return {
             "total_bytes": self.total_bytes,
             "num_devices": self.num_devices,
@@ -183,11 +235,27 @@ class CommReport:
         }
 
     def to_json(self, **kwargs: Any) -> str:
-        """``json.dumps(self.as_dict())``."""
+        """The report as JSON.
+
+        Args:
+          **kwargs: passed to ``json.dumps`` (e.g. ``indent=2``).
+
+        Returns:
+          ``json.dumps(self.as_dict(), **kwargs)``.
+        """
         return json.dumps(self.as_dict(), **kwargs)
 
     def table(self, per_op: bool = False) -> str:
-        """A text table of wire bytes per (kind, dtype), or per instruction with ``per_op``."""
+        """A text table of the report.
+
+        Args:
+          per_op: one row per instruction (computation/name, kind, dtype, group size, count
+            (``?`` when a trip count was unknown), payload and wire bytes) instead of one per
+            ``(kind, dtype)`` (ops, calls per step, wire bytes). Default False.
+
+        Returns:
+          The table, a total row, then one ``warning:`` line per entry of :attr:`warnings`.
+        """
         return comm_table.format_table(self, per_op)
 
 
@@ -234,9 +302,24 @@ def _mesh_sizes(mesh: Any, num_devices: int | None) -> dict[str, int]:
 def comm_report(fn: Any, *args: Any, **kwargs: Any) -> CommReport:
     """Wire bytes of a jitted function called with ``args``/``kwargs``, or of a compiled one.
 
-    ``fn`` may be a ``jax.jit``-wrapped function (lowered and compiled with the arguments, which
-    may be arrays or ``jax.ShapeDtypeStruct``), a ``jax.stages.Lowered``, or a
-    ``jax.stages.Compiled`` (then no arguments). A plain callable is wrapped in ``jax.jit``.
+    The device count is read from the compiled module's header (see
+    :func:`comm_report_from_hlo`).
+
+    Args:
+      fn: a ``jax.jit``-wrapped function or anything with its ``lower`` (a train step of
+        ``qsdp_jax.make_train_step`` / ``qsdp_jax.nnx.make_train_step``), lowered and compiled
+        with the arguments; a ``jax.stages.Lowered``, or a ``jax.stages.Compiled`` (then no
+        arguments). A plain callable is wrapped in ``jax.jit``.
+      *args: the positional arguments of the call, arrays or ``jax.ShapeDtypeStruct``.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      The :class:`CommReport` of one call.
+
+    Raises:
+      TypeError: arguments with a ``Lowered`` or ``Compiled`` ``fn``, or an ``fn`` that is not
+        callable.
+      NotImplementedError: the backend gives no HLO text for the compiled program.
     """
     import jax
 
@@ -272,7 +355,16 @@ def comm_report_from_hlo(
       num_devices: devices meant by an empty ``replica_groups={}``; default: from the
         ``HloModule`` header (``replica_count * num_partitions``), else ``jax.device_count()``.
       strict: raise :class:`UnknownTripCountError` for a loop with collectives but no known
-        trip count, instead of counting it once with a warning.
+        trip count, instead of counting it once with a warning. Default False.
+
+    Returns:
+      The :class:`CommReport`.
+
+    Raises:
+      UnknownTripCountError: with ``strict``, a loop with collectives and no known trip count
+        (a ``ValueError``).
+      ValueError: text that cannot be parsed (no ``ENTRY`` computation, malformed shapes or
+        replica groups, a collective without a result shape).
     """
     module = parse_module(hlo_text)
     if num_devices is None:

@@ -85,18 +85,27 @@ logger = logging.getLogger("qsdp_jax")
 class DistributedSettings:
     """How to start ``jax.distributed``; every field may be left unset (``None``).
 
+    Validated at construction; :meth:`from_env` reads the ``QSDP_*`` environment variables.
+
     Attributes:
-      coordinator: ``host:port`` of process 0's coordinator service.
-      num_processes: number of processes in the job.
+      coordinator: ``host:port`` of process 0's coordinator service (e.g. ``"10.0.0.1:1234"``).
+      num_processes: number of processes in the job, an integer >= 1.
       process_id: this process's id, ``0 <= process_id < num_processes``.
-      local_device_ids: accelerators this process uses (e.g. one GPU per process); None lets
-        jax choose (all local devices, or one per process under SLURM/MPI on GPUs).
-      heartbeat_timeout_s: seconds without a heartbeat after which a peer counts as dead.
-      shutdown_timeout_s: seconds a finishing process waits for the others at shutdown.
-      init_timeout_s: seconds the processes wait for each other at start; then each says what
-        is wrong (see :func:`qsdp_jax._src.peers.connect_guard`) and exits with status 69.
+      local_device_ids: accelerators this process uses (e.g. one GPU per process), a non-empty
+        sequence of ids >= 0 (stored as a tuple); None lets jax choose (all local devices, or
+        one per process under SLURM/MPI on GPUs).
+      heartbeat_timeout_s: seconds without a heartbeat after which a peer counts as dead (an
+        integer >= 1, default 10).
+      shutdown_timeout_s: seconds a finishing process waits for the others at shutdown (an
+        integer >= 1, default 30).
+      init_timeout_s: seconds the processes wait for each other at start (an integer >= 1,
+        default 60); then each says what is wrong (see
+        :func:`qsdp_jax._src.peers.connect_guard`) and exits with status 69.
       cluster_detection: ``None`` (auto), a jax method name (``"slurm"``, ``"ompi"``,
         ``"gcetpu"``, ``"gketpu"``, ``"mpi4py"``, ``"k8s"``) or ``"deactivate"``.
+
+    Raises:
+      ValueError: an invalid field (the message names it, its value and what is allowed).
     """
 
     coordinator: str | None = None
@@ -131,8 +140,26 @@ class DistributedSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "DistributedSettings":
-        """Settings from the ``QSDP_*`` variables of ``environ`` (default ``os.environ``);
-        ``overrides`` that are not None win."""
+        """Settings from the ``QSDP_*`` variables of an environment.
+
+        ``QSDP_COORDINATOR`` (else ``JAX_COORDINATOR_ADDRESS``), ``QSDP_NUM_PROCESSES``,
+        ``QSDP_PROCESS_ID``, ``QSDP_LOCAL_DEVICE_IDS`` (``0,1,2,3``),
+        ``QSDP_HEARTBEAT_TIMEOUT_S``, ``QSDP_SHUTDOWN_TIMEOUT_S``, ``QSDP_INIT_TIMEOUT_S``; an
+        unset or empty variable leaves its field at the default.
+
+        Args:
+          environ: the variables (default ``os.environ``).
+          **overrides: fields of :class:`DistributedSettings`; those that are not None win
+            over the environment.
+
+        Returns:
+          The settings.
+
+        Raises:
+          ValueError: a variable that is not an integer (a list of integers for the device
+            ids), or an invalid resulting field.
+          TypeError: an override that is not a field.
+        """
         env = os.environ if environ is None else environ
         fields: dict[str, Any] = dict(
             coordinator=env.get(ENV_COORDINATOR) or env.get("JAX_COORDINATOR_ADDRESS") or None,
@@ -151,11 +178,18 @@ class DistributedSettings:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedInfo:
-    """The setup :func:`initialize` chose.
+    """The setup :func:`initialize` chose (or :func:`resolve` would choose).
 
-    ``source`` is ``"single"`` (one process, nothing started), ``"explicit"`` (coordinator
-    given), a detected cluster's name (``"slurm"``, ``"gcetpu"``...) or ``"external"``
-    (``jax.distributed`` was already running when :func:`initialize` was called)."""
+    Attributes:
+      source: ``"single"`` (one process, nothing started), ``"explicit"`` (coordinator, process
+        count and id given), a detected cluster's name (``"slurm"``, ``"gcetpu"``...) or
+        ``"external"`` (``jax.distributed`` was already running when :func:`initialize` was
+        called).
+      num_processes: the number of processes; None where only jax knows it (a detected cluster
+        before jax starts).
+      process_id: this process's index; None where only jax knows it.
+      coordinator: the coordinator's ``host:port`` when known, else None.
+    """
 
     source: str
     num_processes: int | None
@@ -164,6 +198,8 @@ class DistributedInfo:
 
     @property
     def is_multi_process(self) -> bool:
+        """True unless the run is known to have one process (``num_processes`` None counts as
+        several)."""
         return self.num_processes is None or self.num_processes > 1
 
 
@@ -231,8 +267,24 @@ def initialize(settings: DistributedSettings | None = None, **kwargs) -> Distrib
 
     Call it before any other JAX call (jax refuses to start the distributed runtime after
     its backends exist). A single process is a no-op; once started, a second call returns the
-    first call's result (a single process is looked at again: nothing was started). Keyword
-    arguments are :class:`DistributedSettings` fields and override the environment."""
+    first call's result (a single process is looked at again: nothing was started). A
+    ``jax.distributed`` someone else started is reported as ``source="external"``.
+
+    Args:
+      settings: the settings; None (the default): :meth:`DistributedSettings.from_env`.
+      **kwargs: :class:`DistributedSettings` fields; they override the environment (or, with
+        ``settings``, its fields).
+
+    Returns:
+      The :class:`DistributedInfo` of the running setup.
+
+    Raises:
+      ValueError: invalid settings or environment variables; an incomplete setup outside a
+        cluster (see :func:`resolve`); on process 0, the coordinator's port already in use on
+        this host.
+      TypeError: a keyword that is not a :class:`DistributedSettings` field.
+      RuntimeError: several processes, but JAX's backends already exist in this process.
+    """
     import jax
 
     info = _STATE["info"]
@@ -280,11 +332,27 @@ def initialize(settings: DistributedSettings | None = None, **kwargs) -> Distrib
 
 
 def watch_peers(timeout_s: float = 10.0, **kwargs) -> "peers.PeerMonitor":
-    """Start a :class:`qsdp_jax._src.peers.PeerMonitor`: from now on, a process of the run that dies,
-    freezes (``timeout_s``) or exits early ends every process with a message naming it and
-    status 75. Call ``.finish()`` on the result when this process is done (or use it as a
-    context manager); a no-op with one process. Give :func:`initialize` a heartbeat timeout
-    above ``timeout_s``."""
+    """Start watching the other processes of the run.
+
+    From now on, a process of the run that dies, freezes (``timeout_s``) or exits early ends
+    every process with a message naming it and status 75. Call ``.finish()`` on the result when
+    this process is done (or use it as a context manager); a no-op with one process. Give
+    :func:`initialize` a heartbeat timeout above ``timeout_s``. Monitoring is best effort: when
+    the processes cannot connect, a message says so and nothing is watched.
+
+    Args:
+      timeout_s: seconds of silence after which a process counts as frozen or unreachable
+        (> 0, default 10; a process whose connection closes is seen at once).
+      **kwargs: further :class:`qsdp_jax._src.peers.PeerMonitor` options: ``exit_code`` (this
+        process's status when a peer is lost, default 75) and ``connect_timeout_s`` (how long
+        to wait for process 0's port and the connection, default 60).
+
+    Returns:
+      The started :class:`qsdp_jax._src.peers.PeerMonitor`.
+
+    Raises:
+      ValueError: ``timeout_s`` is not > 0.
+    """
     return peers.PeerMonitor(timeout_s, **kwargs).start()
 
 
@@ -298,8 +366,11 @@ def shutdown() -> None:
 
 
 def process_index() -> int:
-    """This process's index; 0 when ``jax.distributed`` is not running (never starts a
-    backend, so it is safe before :func:`initialize`)."""
+    """This process's index (never starts a backend, so it is safe before :func:`initialize`).
+
+    Returns:
+      ``jax.process_index()``, or 0 when ``jax.distributed`` is not running.
+    """
     if "jax" not in sys.modules:
         return 0
     import jax
@@ -308,7 +379,11 @@ def process_index() -> int:
 
 
 def num_processes() -> int:
-    """The number of processes; 1 when ``jax.distributed`` is not running."""
+    """The number of processes (never starts a backend, as :func:`process_index`).
+
+    Returns:
+      ``jax.process_count()``, or 1 when ``jax.distributed`` is not running.
+    """
     if "jax" not in sys.modules:
         return 1
     import jax
@@ -317,13 +392,24 @@ def num_processes() -> int:
 
 
 def is_main_process() -> bool:
-    """True on process 0: the one that prints progress and writes result files."""
+    """Whether this is process 0: the one that prints progress and writes result files.
+
+    Returns:
+      True on process 0 (and in a single-process run).
+    """
     return process_index() == 0
 
 
 def main_print(*args, file=None, **kwargs) -> None:
     """``print`` on process 0 only; every process also logs the line to its own file when
-    :func:`enable_process_log` was called."""
+    :func:`enable_process_log` was called.
+
+    Args:
+      *args: the values to print, as for ``print``.
+      file: as for ``print`` (default: ``sys.stdout``).
+      **kwargs: other ``print`` arguments (``sep``, ``end``, ``flush``); ``sep`` also joins the
+        logged line.
+    """
     msg = kwargs.get("sep", " ").join(str(a) for a in args)
     logger.info(msg)
     if is_main_process():
@@ -331,8 +417,20 @@ def main_print(*args, file=None, **kwargs) -> None:
 
 
 def enable_process_log(directory: str | os.PathLike, level: int = logging.INFO) -> Path:
-    """Log the ``qsdp_jax`` logger (and :func:`main_print`) of this process to
-    ``directory/process_<i>.log``; returns the path. Call after :func:`initialize`."""
+    """Log the ``qsdp_jax`` logger (and :func:`main_print`) of this process to a file of its own.
+
+    Call after :func:`initialize` (the file is named by the process index). Calling it again for
+    the same file adds no second handler. The logger then no longer propagates to the root
+    logger (the file, not also every process's stderr).
+
+    Args:
+      directory: the directory of the log files (created if missing).
+      level: the logger's level, lowered to this if it is higher or unset (default
+        ``logging.INFO``).
+
+    Returns:
+      The log file's path, ``directory/process_<i>.log`` (``i`` zero-padded to 3 digits).
+    """
     path = Path(directory) / f"process_{process_index():03d}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     for h in logger.handlers:

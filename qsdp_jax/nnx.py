@@ -82,11 +82,20 @@ def init_state(
       mesh: the mesh the steps run on.
       config: the run's config.
       stacked: the layer-stack groups, where the automatic rule (``qsdp_jax._src.nnx_tree``)
-        guesses wrong; pass the same to :func:`make_train_step`.
+        guesses wrong; pass the same to :func:`make_train_step`. None (the default): the
+        automatic rule.
+
+    Returns:
+      The :class:`qsdp_jax.TrainState` at step 0, its ``model_state`` the module's
+      non-parameter variables (replicated copies).
 
     Raises:
-      TypeError: an ``nnx.Param`` that is not floating point.
-      ValueError: an ``nnx.Param`` holding NaN or Inf, or a module without ``nnx.Param``.
+      TypeError: an ``nnx.Param`` that is not floating point; ``model`` not an ``nnx.Module``;
+        ``stacked`` a string; ``config`` not a ``QSDPConfig`` or ``mesh`` not a ``Mesh``.
+      ValueError: an ``nnx.Param`` holding NaN or Inf, or a module without ``nnx.Param``; a
+        ``stacked`` name that is not a group of the module, or whose variables share no
+        leading layer axis; and the errors of ``qsdp_jax.init_train_state`` (mesh axes,
+        layout, optimizer).
     """
     guards.check_stacked(stacked)
     mdef = describe(model, stacked)
@@ -146,6 +155,11 @@ def update(model: nnx.Module, state: train.TrainState) -> None:
     The module receives copies: the next (donating) step leaves it intact, and it keeps these
     values until the next ``update``.
 
+    Args:
+      model: the module the state was made from (:func:`init_state`), or one of the same
+        structure; updated in place.
+      state: a :class:`qsdp_jax.TrainState` from :func:`init_state` or a step.
+
     Raises:
       ValueError: the state does not fit the module (another model's: paths and shapes named).
       RuntimeError: the state was donated to a step call.
@@ -161,10 +175,35 @@ def update(model: nnx.Module, state: train.TrainState) -> None:
 class TrainStep:
     """A jitted ``step(state, batch) -> (state, metrics[, aux])`` for an NNX model.
 
-    Calling it checks the state first (not donated to an earlier call, on the step's mesh, of
-    this module). Also ``lower(state, batch)`` (for ``qsdp_jax.comm.comm_report``) and
-    ``summary(state, batch)``: how each group is gathered and the memory a whole-stack gather
-    costs.
+    Made by :func:`make_train_step` (and, as ``eval(state, batch) -> mean loss``, by
+    :func:`make_eval_step`); not meant to be built directly. Calling it checks the state first
+    (not donated to an earlier call, on the step's mesh, of this module). Also
+    ``lower(state, batch)`` (for ``qsdp_jax.comm.comm_report``) and ``summary(state, batch)``:
+    how each group is gathered and the memory a whole-stack gather costs.
+
+    Calling it raises ``RuntimeError`` for a donated state, ``TypeError`` for a state that is
+    not a ``TrainState``, ``ValueError`` for a state on another mesh or of another model, or a
+    ``loss_fn`` that does not return a scalar floating loss (or ``(loss, aux)`` with
+    ``has_aux``), and the errors of ``qsdp_jax.make_train_step``'s step (the batch).
+
+    Args:
+      model: the module (read for its structure in ``mode``).
+      loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      optimizer: the optimizer the state was made with (None for an eval step).
+      mesh: the state's mesh.
+      config: the run's config.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      aux_out_spec: out_specs for ``aux`` (None: concatenated over the devices).
+      donate: donate the input state's buffers to the output (never for an eval step).
+      stacked: the layer-stack groups, or None for the automatic rule.
+      mode: ``"train"``, ``"eval"`` or None (see :func:`make_train_step`).
+      evaluate: an eval step (:func:`make_eval_step`) instead of a train step.
+
+    Raises:
+      TypeError: ``config`` is not a ``QSDPConfig``, ``loss_fn`` not callable, ``model`` not an
+        ``nnx.Module``, or ``mesh`` not a ``Mesh``.
+      ValueError: ``mode`` is not ``"train"``, ``"eval"`` or None; a ``stacked`` name is not a
+        group of the module (or shares no layer axis); the mesh's axes do not match the config.
     """
 
     def __init__(self, model, loss_fn, optimizer, mesh, config, *, has_aux, aux_out_spec, donate,
@@ -190,6 +229,21 @@ class TrainStep:
         return self._jitted(state, batch)
 
     def lower(self, state, batch):
+        """Lower the jitted step for ``state`` and ``batch`` (no state checks, nothing runs).
+
+        Args:
+          state: a :class:`qsdp_jax.TrainState` of this module, concrete or abstract.
+          batch: a batch (arrays or ``jax.ShapeDtypeStruct``).
+
+        Returns:
+          The ``jax.stages.Lowered`` step (``.compile()`` it, or pass it to
+          ``qsdp_jax.comm.comm_report``).
+
+        Raises:
+          TypeError: ``state`` is not a ``TrainState``.
+          ValueError: a state of another model, a ``loss_fn`` result or a batch the step
+            refuses (see the class docstring).
+        """
         return self._jitted.lower(state, batch)
 
     # --- the step ---------------------------------------------------------------------------
@@ -236,7 +290,27 @@ class TrainStep:
             )
 
     def summary(self, state: train.TrainState, batch: PyTree) -> str:
-        """How each group is gathered in this step, and the peak bytes of gathered weights."""
+        """How each group is gathered in this step, and the peak bytes of gathered weights.
+
+        Traces the step afresh (``jax.eval_shape``: nothing is computed, its warnings are
+        silenced) and reads what the loss gathered.
+
+        Args:
+          state: a :class:`qsdp_jax.TrainState` of this module, concrete or abstract.
+          batch: a batch, concrete or abstract.
+
+        Returns:
+          A text table with, per group, its layer count, how it was gathered (``"not read"``,
+          ``"whole"``, or ``"per layer"`` for a stack scanned with :func:`scan`) and the float32
+          bytes of gathered weights it holds at once (a note when a whole stack costs more
+          than one layer), then the total per device; with a bit policy, the bits of every
+          sharded leaf.
+
+        Raises:
+          TypeError: ``state`` is not a ``TrainState``.
+          ValueError: a state of another model, a ``loss_fn`` result or a batch the step
+            refuses (see the class docstring).
+        """
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             jax.eval_shape(lambda s, b: self._step(s, b), state, batch)  # a fresh trace
@@ -307,8 +381,9 @@ def make_train_step(
 ) -> TrainStep:
     """The sharded train step of ``loss_fn(model, batch)`` (see the module docstring).
 
-    The step runs the module's structure as it is now, in training mode; its values come from
-    the state. It never touches ``model``: toggling its mode later changes no step.
+    The step runs the module's structure as it is now, in ``mode`` (training mode by default);
+    its values come from the state. It never touches ``model``: toggling its mode later changes
+    no step.
 
     Args:
       model: the module (read for its structure; none of its arrays is used or donated).
@@ -330,6 +405,12 @@ def make_train_step(
 
     Returns:
       The :class:`TrainStep`; metrics as ``qsdp_jax.make_train_step``.
+
+    Raises:
+      TypeError: ``config`` is not a ``QSDPConfig``, ``loss_fn`` not callable, ``model`` not an
+        ``nnx.Module``, or ``mesh`` not a ``Mesh``.
+      ValueError: an invalid ``mode``; a ``stacked`` name that is not a group of the module; the
+        mesh's axes do not match the config's. Calling the step: see :class:`TrainStep`.
     """
     return TrainStep(model, loss_fn, optimizer, mesh, config, has_aux=has_aux,
                      aux_out_spec=aux_out_spec, donate=donate, stacked=stacked, mode=mode)
@@ -357,7 +438,15 @@ def make_eval_step(
       mesh: the state's mesh.
       config: the run's config.
       stacked: as for :func:`init_state`.
-      mode: ``"eval"``, ``"train"`` or ``None`` (as for :func:`make_train_step`).
+      mode: ``"eval"`` (the default), ``"train"`` or ``None`` (as for :func:`make_train_step`).
+
+    Returns:
+      A :class:`TrainStep` computing ``eval(state, batch) -> mean loss`` (global mean, a
+      replicated scalar); it never donates the state.
+
+    Raises:
+      TypeError: as for :func:`make_train_step`.
+      ValueError: as for :func:`make_train_step`.
     """
     return TrainStep(model, loss_fn, None, mesh, config, has_aux=False, aux_out_spec=None,
                      donate=False, stacked=stacked, mode=mode, evaluate=True)

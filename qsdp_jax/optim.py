@@ -56,12 +56,18 @@ def all_finite(tree: PyTree) -> jax.Array:
 class QSDPState:
     """State of :func:`qsdp`.
 
+    A pytree (a registered dataclass): ``count``, ``scales``, ``offsets`` and ``inner`` are its
+    children, the other fields static.
+
     Attributes:
-      count: number of applied (finite) updates; keys the grid shifts.
-      scales, offsets: the current grid of every params leaf, per bucket (a zero-size array for
-        leaves kept in full precision).
+      count: number of applied (finite) updates, an int32 scalar; keys the grid shifts.
+      scales: the current grid's scale of every params leaf, per bucket (the params'
+        structure; a zero-size array for leaves kept in full precision).
+      offsets: the current grid's offset of every params leaf, per bucket (as ``scales``).
       inner: the base transformation's state.
-      bits, bucket: static, checked against the train step's config.
+      bits: static, the weight bits of the grid (``config.weight_bits`` in ``"qsdp"`` mode,
+        None in the other modes: no grid); checked against the train step's config.
+      bucket: static, ``config.bucket_size``; checked against the train step's config.
       config: static, the whole config the optimizer was built with (the train step refuses
         another one).
     """
@@ -86,9 +92,14 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
       config: the run's config (the train step refuses another).
 
     Returns:
-      An optax transformation; ``update`` needs ``params`` in ``"qsdp"`` mode. With weight_mode
-      ``"comm"`` or ``"full"`` the weights stay full precision and only the non-finite guard is
-      added.
+      An optax transformation whose state is a :class:`QSDPState`; ``update`` needs ``params``
+      in ``"qsdp"`` mode. With weight_mode ``"comm"`` or ``"full"`` the weights stay full
+      precision and only the non-finite guard is added.
+
+    Raises:
+      TypeError: ``config`` is not a :class:`~qsdp_jax.QSDPConfig`.
+      ValueError: from ``init``: ``base`` already holds a :class:`QSDPState` (wrapped twice);
+        from ``update``: no ``params`` in ``"qsdp"`` mode.
     """
     if not isinstance(config, QSDPConfig):
         raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
@@ -191,7 +202,24 @@ def snap_to_grid(params: PyTree, opt_state: PyTree, config: QSDPConfig) -> PyTre
 
 
 def apply_updates(params: PyTree, updates: PyTree, opt_state: PyTree, config: QSDPConfig) -> PyTree:
-    """``optax.apply_updates`` followed by :func:`snap_to_grid`: params exactly on the grid."""
+    """``optax.apply_updates`` followed by :func:`snap_to_grid`: params exactly on the grid.
+
+    For a single-device loop (the sharded train step snaps by itself).
+
+    Args:
+      params: the params the updates were computed for.
+      updates: the updates from the :func:`qsdp`-wrapped optimizer's ``update``.
+      opt_state: the new optimizer state from that ``update`` (it holds the new grid; also
+        inside ``optax.chain``).
+      config: the run's config.
+
+    Returns:
+      The new params, leaves with a grid exactly on it, the others ``params + updates``
+      (everything unchanged by the snap when ``opt_state`` holds no grid).
+
+    Raises:
+      ValueError: ``opt_state`` holds more than one :class:`QSDPState`.
+    """
     return snap_to_grid(optax.apply_updates(params, updates), opt_state, config)
 
 

@@ -51,11 +51,26 @@ def make_mesh(
       axis_name="local")``); ``make_mesh({"replica": 2, "fsdp": 4})``: hybrid sharding
       (``QSDPConfig(replica_axis="replica")``). The first axis is the outer (slow) level.
 
-    Devices are ordered hosts-outermost: consecutive positions of the last axis are devices of
-    the same process wherever they divide that way, so the outer axis is the one that crosses
-    hosts (on CPU the devices are grouped by ``process_index``; on GPU/TPU JAX's
-    ``mesh_utils.create_device_mesh`` / ``create_hybrid_device_mesh`` choose the order).
-    Uses ``AxisType.Auto`` (the classic style): shardings are given explicitly where they matter.
+    With a mapping the devices are ordered hosts-outermost: consecutive positions of the last
+    axis are devices of the same process wherever they divide that way, so the outer axis is
+    the one that crosses hosts (on CPU the devices are grouped by ``process_index``; on GPU/TPU
+    JAX's ``mesh_utils.create_device_mesh`` / ``create_hybrid_device_mesh`` choose the order).
+    A 1-D mesh from an axis name keeps the order of ``devices``. Uses ``AxisType.Auto`` (the
+    classic style): shardings are given explicitly where they matter.
+
+    Args:
+      axes: an axis name (a 1-D mesh over every device; default ``"fsdp"``), or a mapping of
+        one or two axis names to sizes, outer axis first, whose sizes (integers >= 1) multiply
+        to the device count.
+      devices: the devices to use (default: ``jax.devices()``, those of all processes).
+
+    Returns:
+      The ``jax.sharding.Mesh``.
+
+    Raises:
+      ValueError: no devices; ``axes`` neither a name nor a non-empty mapping; more than two
+        axes; an axis name that is not a non-empty string; a size that is not an integer >= 1;
+        sizes that do not multiply to the device count.
     """
     devs = list(jax.devices() if devices is None else devices)
     if not devs:
@@ -218,7 +233,18 @@ class GroupLayout:
 
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
-    """Static description of a sharded parameter pytree (see the module docstring)."""
+    """Static description of a sharded parameter pytree (see the module docstring).
+
+    Built by :meth:`create` (``TrainState.layout`` holds the one of a train state); frozen and
+    hashable, so it is a static field of the state.
+
+    Attributes:
+      groups: one ``GroupLayout`` per parameter group, sorted by group name: its leaves (shape,
+        split dimension, buckets per device) and its gather buffers.
+      num_shards: how many pieces each sharded leaf is cut into (the product of the shard axes'
+        sizes).
+      bucket: elements per bucket (``QSDPConfig.bucket_size``).
+    """
 
     groups: tuple[GroupLayout, ...]
     num_shards: int
@@ -235,10 +261,31 @@ class ParamLayout:
         bit_policy: Sequence[tuple] = (),
         default_bits: tuple | None = None,
     ) -> "ParamLayout":
-        """The layout of ``params`` (concrete or abstract arrays). ``bit_policy``
-        (``QSDPConfig.bit_policy``) puts the sharded leaves a rule gives other bits than
-        ``default_bits`` (the config's ``(weight_bits, grad_bits)``) into buffers of their own;
-        a rule that matches no sharded leaf is a ``ValueError``."""
+        """The layout of ``params`` (concrete or abstract arrays), by the rule of the module
+        docstring.
+
+        A large floating leaf that divides over ``num_shards`` on no dimension is replicated
+        with a warning naming it.
+
+        Args:
+          params: a non-empty dict of groups, the leaves arrays or ``jax.ShapeDtypeStruct``.
+          num_shards: the number of pieces a sharded leaf is cut into.
+          bucket: elements per bucket (``QSDPConfig.bucket_size``).
+          min_shard_size: leaves with fewer elements (per layer, in a stacked group) are
+            replicated (``QSDPConfig.min_shard_size``).
+          stacked: the groups whose leaves carry a leading layer axis.
+          bit_policy: ``QSDPConfig.bit_policy``: the sharded leaves a rule gives other bits than
+            ``default_bits`` go into buffers of their own.
+          default_bits: the config's ``(weight_bits, grad_bits)``.
+
+        Returns:
+          The layout.
+
+        Raises:
+          ValueError: ``params`` is not a non-empty dict; a ``stacked`` group is not in
+            ``params``; a stacked group's leaves do not share one leading layer axis; a
+            ``bit_policy`` rule matches no sharded leaf.
+        """
         if not isinstance(params, dict) or not params:
             raise ValueError("params must be a non-empty dict of groups, e.g. {'embed': ..., 'blocks': ...}")
         unknown = set(stacked) - set(params)
@@ -264,12 +311,34 @@ class ParamLayout:
         return cls(groups=tuple(groups), num_shards=num_shards, bucket=bucket)
 
     def group(self, name: str) -> GroupLayout:
+        """The layout of one parameter group.
+
+        Args:
+          name: the group's name (a key of the params dict).
+
+        Returns:
+          Its ``GroupLayout``.
+
+        Raises:
+          KeyError: no group of that name (the message lists the groups).
+        """
         for g in self.groups:
             if g.name == name:
                 return g
         raise KeyError(f"unknown parameter group {name!r}; groups are {[g.name for g in self.groups]}")
 
     def group_index(self, name: str) -> int:
+        """The position of a group in :attr:`groups` (groups are sorted by name).
+
+        Args:
+          name: the group's name.
+
+        Returns:
+          Its index.
+
+        Raises:
+          KeyError: no group of that name.
+        """
         return [g.name for g in self.groups].index(self.group(name).name)
 
     @property
@@ -278,22 +347,53 @@ class ParamLayout:
         return tuple(b for g in self.groups for b in g.buffers)
 
     def buffer(self, key: str) -> Buffer:
+        """One gather buffer by its key.
+
+        Args:
+          key: the buffer's key: the group's name for the buffer at the config's bits,
+            ``"group@W8G8"`` for a bit policy's (see ``qsdp_jax._src.policy.buffer_key``).
+
+        Returns:
+          The buffer.
+
+        Raises:
+          KeyError: no buffer with that key (the message lists the keys).
+        """
         for b in self.buffers:
             if b.key == key:
                 return b
         raise KeyError(f"unknown gather buffer {key!r}; buffers are {[b.key for b in self.buffers]}")
 
     def leaf_paths(self) -> dict[str, list[str]]:
-        """``{group: [leaf path, ...]}``: the paths a ``QSDPConfig.bit_policy`` matches."""
+        """The path of every leaf, group by group.
+
+        Returns:
+          A dict ``{group: [leaf path, ...]}`` (leaves in treedef order), the paths a
+          ``QSDPConfig.bit_policy`` matches.
+        """
         return {g.name: g.leaf_paths() for g in self.groups}
 
     def leaves(self) -> list[tuple[GroupLayout, LeafLayout]]:
-        """Every leaf with its group, in ``jax.tree.leaves(params)`` order (groups sorted)."""
+        """Every leaf with its group.
+
+        Returns:
+          ``[(GroupLayout, LeafLayout), ...]`` in ``jax.tree.leaves(params)`` order (groups
+          sorted by name).
+        """
         return [(g, x) for g in self.groups for x in g.leaves]
 
     def weight_bits(self, config) -> list:
-        """The weight bits of every leaf in ``leaves()`` order: None for a replicated leaf or a
-        bit policy's full-precision one."""
+        """The weight bits of every leaf.
+
+        Args:
+          config: the run's ``QSDPConfig`` (its bits apply to the buffers a bit policy does not
+            set).
+
+        Returns:
+          A list in :meth:`leaves` order of the bits of each leaf's buffer, None for a
+          replicated leaf or a full-precision one (a bit policy's, or every sharded leaf when
+          ``config.weight_bits`` is None).
+        """
         by_leaf = {}
         for g in self.groups:
             for b in g.buffers:
@@ -303,7 +403,14 @@ class ParamLayout:
 
     # --- shardings -----------------------------------------------------------------------------
     def unflatten(self, leaves: Sequence[Any]) -> dict[str, PyTree]:
-        """The params dict from values in ``leaves()`` order."""
+        """The params dict from values in :meth:`leaves` order.
+
+        Args:
+          leaves: one value per leaf, in :meth:`leaves` order.
+
+        Returns:
+          ``{group: pytree}`` with the params' structure and these values.
+        """
         out, i = {}, 0
         for g in self.groups:
             out[g.name] = jax.tree_util.tree_unflatten(g.treedef, list(leaves[i : i + g.num_leaves]))
@@ -311,20 +418,53 @@ class ParamLayout:
         return out
 
     def specs(self, axes) -> dict[str, PyTree]:
-        """The PartitionSpec of every leaf (the params' structure)."""
+        """The PartitionSpec of every leaf.
+
+        Args:
+          axes: the mesh axis (axes) the leaves are sharded over (``QSDPConfig.shard_axes``).
+
+        Returns:
+          The params' structure with a ``PartitionSpec`` per leaf, ``P()`` for a replicated
+          leaf, ``axes`` on the split dimension of a sharded one (never on a stacked leaf's
+          layer axis).
+        """
         return self.unflatten([leaf_spec(g, x, axes) for g, x in self.leaves()])
 
     def grid_specs(self, axes, config) -> dict[str, PyTree]:
-        """The PartitionSpec of every leaf's grid (QSDP mode): rows x buckets, split on buckets;
-        ``P()`` for the empty placeholder of a leaf without weight bits."""
+        """The PartitionSpec of every leaf's grid (QSDP mode).
+
+        Args:
+          axes: the mesh axis (axes) of the shards (``QSDPConfig.shard_axes``).
+          config: the run's ``QSDPConfig`` (which leaves have weight bits).
+
+        Returns:
+          The params' structure with a ``PartitionSpec`` per leaf, ``P(None, axes)`` for a
+          grid (rows x buckets, split on buckets), ``P()`` for the empty placeholder of a leaf
+          without weight bits.
+        """
         return self.unflatten([P() if w is None else P(None, axes) for w in self.weight_bits(config)])
 
     def shardings(self, mesh: Mesh, axes) -> dict[str, PyTree]:
+        """The ``NamedSharding`` of every leaf: :meth:`specs` placed on ``mesh``.
+
+        Args:
+          mesh: the mesh.
+          axes: the mesh axis (axes) the leaves are sharded over (``QSDPConfig.shard_axes``).
+
+        Returns:
+          The params' structure with a ``NamedSharding`` per leaf.
+        """
         return jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs(axes),
                             is_leaf=lambda x: isinstance(x, P))
 
     def table(self) -> str:
-        """A readable summary: per leaf, its shape, the dimension it is split on, its buffer."""
+        """A readable summary of the layout.
+
+        Returns:
+          A text table with, per leaf, its path, its global shape, the dimension it is split
+          on (or ``replicated``) and its buckets per device; followed by :meth:`bits_table`
+          when a bit policy gives some buffer bits of its own.
+        """
         rows = [f"{'leaf':<36}{'shape':>18}{'split on':>10}{'buckets/dev':>13}"]
         for g, x in self.leaves():
             shape = ((g.n_layers,) if g.stacked else ()) + x.shape
@@ -335,7 +475,16 @@ class ParamLayout:
         return "\n".join(rows)
 
     def bits_table(self, config=None) -> str:
-        """The bits of every sharded leaf, buffer by buffer (see ``qsdp_jax._src.policy.bits_table``)."""
+        """The bits of every sharded leaf, buffer by buffer (``qsdp_jax._src.policy.bits_table``).
+
+        Args:
+          config: the run's ``QSDPConfig``, to write out the bits of the buffers at the config's
+            bits; None (the default): those are shown as ``config``.
+
+        Returns:
+          A text table with, per sharded leaf, its buffer, weight and gradient bits (``fp``
+          for full precision, the config's ``fp_comm_dtype``) and element count.
+        """
         return policy.bits_table(self, config)
 
 

@@ -110,14 +110,23 @@ def init_train_state(
     ``"qsdp"`` mode, put the weights on their initial grid.
 
     Args:
-      params: a dict of groups (see ``qsdp_jax.access``).
+      params: a dict of groups (see ``qsdp_jax.access``); every leaf floating point and finite.
       optimizer: any optax transformation (``qsdp_jax.optim.qsdp``-wrapped in ``"qsdp"`` mode).
-      mesh: the mesh (``qsdp_jax.make_mesh``).
+      mesh: the mesh (``qsdp_jax.make_mesh``), with the config's axes (``config.mesh_axes``).
       config: the run's config.
-      stacked: the groups whose leaves carry a leading layer axis (read with ``scan``).
+      stacked: the groups whose leaves carry a leading layer axis (read with ``scan``); a
+        sequence of group names, default none.
 
     Returns:
       The sharded :class:`TrainState` at step 0.
+
+    Raises:
+      TypeError: ``config`` is not a :class:`QSDPConfig`, ``mesh`` not a ``Mesh``, ``stacked``
+        a string, or a leaf of ``params`` not floating point.
+      ValueError: a leaf holds NaN or Inf; the mesh's axes do not match the config's; the
+        layout cannot be built (see :meth:`ParamLayout.create`); in ``"qsdp"`` mode the
+        optimizer is not wrapped with ``qsdp_jax.optim.qsdp`` (or wrapped twice) or was built
+        from another config.
     """
     check_params(params, stacked)
     return init_checked_state(params, optimizer, mesh, config, stacked)
@@ -151,7 +160,24 @@ def abstract_train_state(
 
     ``params`` may itself be abstract (e.g. ``jax.eval_shape`` of an initialiser). Use it to
     compile a step for a model too large for this machine:
-    ``make_train_step(...).lower(abstract_state, abstract_batch).compile()``.
+    ``make_train_step(...).lower(abstract_state, abstract_batch).compile()``. Unlike
+    :func:`init_train_state` it does not look at the values (no NaN check).
+
+    Args:
+      params: a dict of groups, concrete or abstract arrays.
+      optimizer: as for :func:`init_train_state`.
+      mesh: the mesh the state would live on.
+      config: the run's config.
+      stacked: the groups whose leaves carry a leading layer axis.
+
+    Returns:
+      The :class:`TrainState` :func:`init_train_state` would return, with
+      ``jax.ShapeDtypeStruct`` leaves carrying their shardings (the layout is the real one).
+
+    Raises:
+      TypeError: ``config`` is not a :class:`QSDPConfig`, ``mesh`` not a ``Mesh``, or
+        ``stacked`` a string.
+      ValueError: as for :func:`init_train_state` (mesh, layout, optimizer), NaN aside.
     """
     layout = _layout(params, mesh, config, stacked)
     shardings = layout.shardings(mesh, config.shard_axes)
@@ -244,8 +270,18 @@ def make_train_step(
       donate: donate the input state's buffers to the output.
 
     Returns:
-      The step. Metrics: ``loss`` (global mean), ``grad_norm`` (global, of the averaged
-      gradient), ``nonfinite`` (1 when the update was skipped), ``step`` (the step taken).
+      The step; it also has the jitted function's ``lower`` (e.g. for
+      ``qsdp_jax.comm.comm_report``). Metrics: ``loss`` (global mean), ``grad_norm`` (global,
+      of the averaged gradient), ``nonfinite`` (1 when the update was skipped), ``step`` (the
+      step taken).
+
+    Raises:
+      TypeError: ``config`` is not a :class:`QSDPConfig`, or ``mesh`` not a ``Mesh``.
+      ValueError: the mesh's axes do not match the config's. Calling the step: a batch that is
+        empty, has a scalar leaf, leaves of different leading sizes or a leading size that does
+        not divide over the mesh's devices; an optimizer state made with another config (or
+        not ``qsdp``-wrapped in ``"qsdp"`` mode).
+      RuntimeError: calling the step with a state that was donated to an earlier call.
     """
     _check_config(config)
     _, n_dev = mesh_sizes(mesh, config)
@@ -308,9 +344,21 @@ def make_eval_step(
     in ``"qsdp"`` mode: evaluation sees exactly the weights training uses).
 
     Args:
-      loss_fn: as for :func:`make_train_step` (no aux).
+      loss_fn: as for :func:`make_train_step` (no aux): ``loss_fn(p, batch) -> loss``, the mean
+        over the local batch.
       mesh: the state's mesh.
       config: the run's config.
+
+    Returns:
+      The jitted ``eval(state, batch)``, giving the loss averaged over the devices (a
+      replicated scalar); it never donates the state.
+
+    Raises:
+      TypeError: ``config`` is not a :class:`QSDPConfig`, or ``mesh`` not a ``Mesh``.
+      ValueError: the mesh's axes do not match the config's. Calling it: a batch as
+        :func:`make_train_step` refuses it; in ``"qsdp"`` mode a state whose optimizer is not
+        ``qsdp``-wrapped or was built for other weight bits / bucket size.
+      RuntimeError: calling it with a state that was donated to a train step.
     """
     _check_config(config)
     _, n_dev = mesh_sizes(mesh, config)

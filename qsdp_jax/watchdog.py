@@ -61,13 +61,20 @@ def _where(error: BaseException) -> str:
 class StepWatchdog:
     """Ends the process when train steps stop finishing (see the module docstring).
 
+    The watching thread starts at construction; the first :meth:`beat` arms it. Also a context
+    manager (``with StepWatchdog(...) as dog:``; leaving it calls :meth:`stop`).
+
     Args:
-      timeout_s: the bound: seconds without a finished step.
+      timeout_s: the bound: seconds without a finished step (> 0, default 60).
       on_timeout: called once before exiting (e.g. try to save); returns a short description
         of what it did; it runs in its own thread and is abandoned after ``save_timeout_s``.
-      save_timeout_s: how long ``on_timeout`` may take.
-      exit_code: the process's exit status.
-      what: a name for the message (e.g. ``"process 1 of 2"``).
+        An exception it raises is reported in the message. None (the default): no save.
+      save_timeout_s: how long ``on_timeout`` may take (>= 0, default 10).
+      exit_code: the process's exit status (default 75, ``EX_TEMPFAIL``: restart and resume).
+      what: a name for the message (e.g. ``"process 1 of 2"``; default ``"this process"``).
+
+    Raises:
+      ValueError: ``timeout_s`` is not > 0, or ``save_timeout_s`` not >= 0.
     """
 
     def __init__(self, timeout_s: float = 60.0, *, on_timeout: Callable[[], str] | None = None,
@@ -89,18 +96,28 @@ class StepWatchdog:
         self._thread.start()
 
     def beat(self, step: int) -> None:
-        """A step finished (arms the watchdog on the first call)."""
+        """A step finished (arms the watchdog on the first call).
+
+        Args:
+          step: the step that finished, named in the message if the watchdog fires later.
+        """
         self._last = (time.monotonic(), int(step))
 
     def fail(self, error: BaseException) -> None:
         """A collective raised (e.g. gloo's "Connection reset by peer" when a peer died): the
         same message, save attempt and exit as a timeout, now. Never returns (unless a test's
-        ``_exit`` does)."""
+        ``_exit`` does).
+
+        Args:
+          error: the exception the collective raised (its type and first line go into the
+            message).
+        """
         self._stop.set()
         last = self._last[1] if self._last is not None else 0
         self._fire(last, f"a collective failed ({type(error).__name__}: {str(error).splitlines()[0][:300]})")
 
     def stop(self) -> None:
+        """Stop watching (e.g. after the last step) and wait for the watching thread to end."""
         self._stop.set()
         self._thread.join()
 

@@ -104,4 +104,4 @@ def test_committed_result_records_the_targets():
     assert doc["link"] == "veth" and doc["devices_per_process"] == 4
     assert t["inter_node_bytes"]["ratio"] <= 1 / 7
     assert t["speedup"]["bandwidth_mbit"] == 100
-    assert t["speedup"]["speedup_vs_fp32"] > 1.5  # the 3.5x target itself was missed (README)
+    assert t["speedup"]["speedup_vs_fp32"] >= 3.5  # the target (met: docs/results/performance.md)

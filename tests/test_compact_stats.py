@@ -218,5 +218,5 @@ def test_grid_walk_shows_why_on_grid_weights_refuse_bf16_stats():
     assert runs["qsdp/bfloat16"] > 1.15 * runs["qsdp/float32"], runs
     assert runs["comm/bfloat16"] < 1.02, runs
     # the dropped golden rounding's successive errors cancel: closer to the exact walk (RMS
-    # distance), the effect it was built for (on the GPT it did not show: README)
+    # distance), the effect it was built for (on the GPT it did not show: docs/results/negative.md)
     assert walks["qsdp/golden"][1] < 0.9 * walks["qsdp/float32"][1], walks

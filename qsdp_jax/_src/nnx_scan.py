@@ -184,6 +184,28 @@ def scan(f: Callable | Any = _MISSING, *, length=None, reverse=False, unroll=1,
     layer stack of the model is read one layer at a time (``ParamAccess.scan``, rematerialised);
     ``in_axes`` entries may be ``nnx.Carry`` (exactly one), ``0`` or ``None``; ``out_axes`` is
     ``nnx.Carry`` or a tuple of ``nnx.Carry`` (once) and ``0``.
+
+    Args:
+        f: The scanned function, ``f(carry, layer, ...) -> carry`` (or ``(carry, ys)``). Omit it
+            to use ``scan`` as a decorator factory.
+        length: The number of iterations, as for ``nnx.scan`` (inside the step it must equal the
+            stack's number of layers).
+        reverse: Scan from the last layer to the first (``nnx.scan`` only: refused inside the step).
+        unroll: Passed to ``nnx.scan`` / ``lax.scan``.
+        in_axes: Per argument: ``nnx.Carry`` (exactly one), ``0`` (scanned: a layer stack is read
+            one layer at a time) or ``None`` (broadcast).
+        out_axes: ``nnx.Carry``, or a tuple of ``nnx.Carry`` (once) and ``0``.
+        **kwargs: Further ``nnx.scan`` options, used outside the step.
+
+    Returns:
+        The wrapped function (called with the same arguments as ``f``), or, when ``f`` is
+        omitted, a decorator that makes it.
+
+    Raises:
+        ValueError: A module scanned on axis 0 is not a layer stack (its variables do not share
+            one leading size), or ``length`` does not match the stack.
+        NotImplementedError: ``in_axes``/``out_axes`` forms or ``reverse`` that the sharded step
+            does not support.
     """
     if f is _MISSING:
         return lambda g: scan(g, length=length, reverse=reverse, unroll=unroll, in_axes=in_axes,

@@ -71,7 +71,7 @@ def fwht(x: jax.Array, block: int) -> jax.Array:
     multiplied by its small dense Hadamard matrix (full float32 precision), about
     ``sum(factors)`` multiply-adds per element (16 for block 64, against 64 for one dense
     matmul and the log2(block) memory passes of :func:`fwht_butterfly`). Measured on CPU: see
-    README, *Gradient rotation and compact statistics*."""
+    docs/guides/low_bit.md."""
     check_block(block, x.shape[-1])
     hi = jax.lax.Precision.HIGHEST  # TPU/GPU would otherwise multiply float32 in bf16 / TF32
     factors = kron_factors(block)

@@ -56,7 +56,28 @@ def _shape_checks(packed, scales, n, bits, bucket):
 
 
 def unpack_dequantize(packed, scales, offsets, bits, bucket, n, *, target):
-    """uint8 (..., packed_size(n)), float32 (..., n // bucket) x2 -> float32 (..., n)."""
+    """uint8 (..., packed_size(n)), float32 (..., n // bucket) x2 -> float32 (..., n).
+
+    Equals ``qz.dequantize(qz.unpack_bits(...), ...)`` bit for bit.
+
+    Args:
+      packed: uint8 ``(..., packed_size(n, bits))``, the packed codes.
+      scales: float32 ``(..., n // bucket)``, the grid's step per bucket.
+      offsets: float32 ``(..., n // bucket)``, the grid's lowest value per bucket.
+      bits: bits per code, 1..8.
+      bucket: elements per (scale, offset) pair, a positive multiple of 8.
+      n: the number of codes per row.
+      target: the Pallas lowering, one of ``_pallas.TARGETS``: ``"interpret"``, ``"triton"``
+        (CUDA) or ``"mosaic_tpu"``.
+
+    Returns:
+      The values ``offset + code * scale``, float32 ``(..., n)``.
+
+    Raises:
+      ValueError: ``bits`` not in 1..8; ``bucket`` not a positive multiple of 8; ``n`` not a
+        multiple of ``bucket``; a packed length other than ``packed_size(n, bits)``; a scale count
+        other than ``n // bucket``; an unknown ``target``.
+    """
     _shape_checks(packed, scales, n, bits, bucket)
     kp.check_target(target)
     lead, g = packed.shape[:-1], bucket // 8
@@ -74,7 +95,29 @@ def unpack_dequantize(packed, scales, offsets, bits, bucket, n, *, target):
 
 def unpack_dequantize_sum(packed, scales, offsets, bits, bucket, n, *, target):
     """uint8 (N, packed_size(n)), float32 (N, n // bucket) x2 -> float32 (n,): the sum over the
-    N chunks of their dequantized values."""
+    N chunks of their dequantized values.
+
+    Summed in float32 in the order of ``payload.sum_rows`` (pairwise halving), so the result
+    equals the reference bit for bit.
+
+    Args:
+      packed: uint8 ``(N, packed_size(n, bits))``, the packed codes of the N received chunks.
+      scales: float32 ``(N, n // bucket)``, each chunk's grid step per bucket.
+      offsets: float32 ``(N, n // bucket)``, each chunk's lowest grid value per bucket.
+      bits: bits per code, 1..8.
+      bucket: elements per (scale, offset) pair, a positive multiple of 8.
+      n: the number of codes per chunk.
+      target: the Pallas lowering, one of ``_pallas.TARGETS``: ``"interpret"``, ``"triton"``
+        (CUDA) or ``"mosaic_tpu"``.
+
+    Returns:
+      The sum over the chunks, float32 ``(n,)``.
+
+    Raises:
+      ValueError: ``bits`` not in 1..8; ``bucket`` not a positive multiple of 8; ``n`` not a
+        multiple of ``bucket``; a packed length other than ``packed_size(n, bits)``; a scale count
+        other than ``n // bucket``; an unknown ``target``; ``packed`` not 2-D.
+    """
     _shape_checks(packed, scales, n, bits, bucket)
     kp.check_target(target)
     if packed.ndim != 2:

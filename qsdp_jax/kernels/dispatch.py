@@ -28,6 +28,15 @@ from qsdp_jax.kernels import _pallas as kp
 
 
 def check_mode(mode: str):
+    """Refuse an unknown kernels mode.
+
+    Args:
+      mode: a ``QSDPConfig.kernels`` value: ``"auto"``, ``"pallas"``, ``"reference"`` or
+        ``"interpret"`` (``KERNEL_MODES``).
+
+    Raises:
+      ValueError: ``mode`` is not one of them.
+    """
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels={mode!r} is invalid: must be one of {KERNEL_MODES}")
 
@@ -36,7 +45,22 @@ def select(mode: str, reference: Callable, kernel: Callable, *args, bucket: int)
     """``reference(*args)`` or ``kernel(*args, target=...)`` as ``mode`` and the platform say.
 
     ``args`` are arrays only (``lax.platform_dependent`` passes them to every branch); bind
-    static arguments into the callables. Both must return the same pytree of shapes/dtypes.
+    static arguments into the callables. Both must return the same pytree of shapes/dtypes. A
+    kernel runs under :func:`with_reference_vjp` (its gradient is the reference's).
+
+    Args:
+      mode: ``QSDPConfig.kernels`` (see the module docstring).
+      reference: the jnp reference, ``reference(*args)``.
+      kernel: the Pallas kernel, ``kernel(*args, target=target)``.
+      *args: the arrays both take.
+      bucket: the bucket size; on CUDA a bucket whose group count ``bucket // 8`` is not a
+        power of 2 uses the reference.
+
+    Returns:
+      What the chosen callable returns.
+
+    Raises:
+      ValueError: an unknown ``mode``.
     """
     check_mode(mode)
     if mode == "auto":
@@ -56,7 +80,16 @@ def select(mode: str, reference: Callable, kernel: Callable, *args, bucket: int)
 def with_reference_vjp(reference: Callable, kernel: Callable, target: str) -> Callable:
     """``kernel(*args, target=target)`` under a ``custom_vjp`` whose backward pass is the
     reference's VJP: Pallas kernels have no autodiff of their own, and a gradient taken
-    through a kernel then equals the one taken through the reference."""
+    through a kernel then equals the one taken through the reference.
+
+    Args:
+      reference: the jnp reference, ``reference(*args)``.
+      kernel: the Pallas kernel, ``kernel(*args, target=target)``.
+      target: the Pallas lowering (``_pallas.TARGETS``).
+
+    Returns:
+      ``run(*args)``: the kernel's result, differentiable through the reference.
+    """
 
     @jax.custom_vjp
     def run(*args):

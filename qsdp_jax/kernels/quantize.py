@@ -127,27 +127,108 @@ def _fresh_grid_aux(x, bits, bucket, rounding, key, bucket_ids):
 def quantize_pack(x, bits, bucket, rounding, key=None, bucket_ids=None, *, target):
     """``(pack_bits(codes), scales, offsets)`` of ``qz.quantize(x, ...)`` in one pass.
 
-    Returns uint8 (..., packed_size(n, bits)), float32 (..., n // bucket) twice."""
+    A fresh per-bucket min/max grid (float32 stats only), the codes on it packed.
+
+    Args:
+      x: values ``(..., n)``, ``n`` a multiple of ``bucket`` (quantized as float32).
+      bits: bits per code, 1..8 (2..8 with ``"shift"``).
+      bucket: elements per (scale, offset) pair, a positive multiple of 8.
+      rounding: ``"stochastic"``, ``"nearest"`` or ``"shift"`` (as ``qz.quantize``).
+      key: the uint32 key of the randomness; required for ``"stochastic"`` and ``"shift"``.
+      bucket_ids: uint32 ``(..., n // bucket)`` global ids of the buckets, the counters of the
+        randomness; None (the default): the row-major ids of ``x`` itself.
+      target: the Pallas lowering, one of ``_pallas.TARGETS``: ``"interpret"``, ``"triton"``
+        (CUDA) or ``"mosaic_tpu"``.
+
+    Returns:
+      A tuple ``(packed, scales, offsets)`` of uint8 ``(..., packed_size(n, bits))`` and
+      float32 ``(..., n // bucket)`` twice.
+
+    Raises:
+      ValueError: ``bits`` not in 1..8; ``bucket`` not a positive multiple of 8; a last axis that
+        is not whole buckets; an unknown ``rounding`` or ``target``; ``"stochastic"`` /
+        ``"shift"`` without a key; ``"shift"`` with ``bits < 2``.
+    """
     row_aux, scalar_aux = _fresh_grid_aux(x, bits, bucket, rounding, key, bucket_ids)
     return _run(x, row_aux, scalar_aux, bits=bits, bucket=bucket, rounding=rounding,
                 output="pack", target=target)
 
 
 def grid_pack(x, scales, offsets, bits, bucket, *, target):
-    """``pack_bits(qz.quantize_on_grid(x, scales, offsets, ...).codes)`` in one pass."""
+    """``pack_bits(qz.quantize_on_grid(x, scales, offsets, ...).codes)`` in one pass.
+
+    The codes of ``x`` on a given grid (round to nearest, clipped), packed; for ``x`` already on
+    the grid they are its exact codes.
+
+    Args:
+      x: values ``(..., n)``, ``n`` a multiple of ``bucket`` (read as float32).
+      scales: float32 ``(..., n // bucket)``, the grid's step per bucket.
+      offsets: float32 ``(..., n // bucket)``, the grid's lowest value per bucket.
+      bits: bits per code, 1..8.
+      bucket: elements per (scale, offset) pair, a positive multiple of 8.
+      target: the Pallas lowering, one of ``_pallas.TARGETS``: ``"interpret"``, ``"triton"``
+        (CUDA) or ``"mosaic_tpu"``.
+
+    Returns:
+      The packed codes, uint8 ``(..., packed_size(n, bits))``.
+
+    Raises:
+      ValueError: ``bits`` not in 1..8; ``bucket`` not a positive multiple of 8; a last axis that
+        is not whole buckets; an unknown ``target``.
+    """
     return _run(x, [scales, offsets], [], bits=bits, bucket=bucket, rounding="grid",
                 output="pack", target=target)
 
 
 def project(x, bits, bucket, rounding, key=None, bucket_ids=None, *, target):
     """``(qt.dequantize(), qt.scales, qt.offsets)`` of ``qt = qz.quantize(x, ...)``: the values
-    on a fresh grid, and that grid, in one pass."""
+    on a fresh grid, and that grid, in one pass.
+
+    Args:
+      x: values ``(..., n)``, ``n`` a multiple of ``bucket`` (quantized as float32).
+      bits: bits per code, 1..8 (2..8 with ``"shift"``).
+      bucket: elements per (scale, offset) pair, a positive multiple of 8.
+      rounding: ``"stochastic"``, ``"nearest"`` or ``"shift"`` (as ``qz.quantize``).
+      key: the uint32 key of the randomness; required for ``"stochastic"`` and ``"shift"``.
+      bucket_ids: uint32 ``(..., n // bucket)`` global ids of the buckets, the counters of the
+        randomness; None (the default): the row-major ids of ``x`` itself.
+      target: the Pallas lowering, one of ``_pallas.TARGETS``: ``"interpret"``, ``"triton"``
+        (CUDA) or ``"mosaic_tpu"``.
+
+    Returns:
+      A tuple ``(values, scales, offsets)`` of float32 ``(..., n)`` on the grid and float32
+      ``(..., n // bucket)`` twice.
+
+    Raises:
+      ValueError: ``bits`` not in 1..8; ``bucket`` not a positive multiple of 8; a last axis that
+        is not whole buckets; an unknown ``rounding`` or ``target``; ``"stochastic"`` /
+        ``"shift"`` without a key; ``"shift"`` with ``bits < 2``.
+    """
     row_aux, scalar_aux = _fresh_grid_aux(x, bits, bucket, rounding, key, bucket_ids)
     return _run(x, row_aux, scalar_aux, bits=bits, bucket=bucket, rounding=rounding,
                 output="values", target=target)
 
 
 def snap(x, scales, offsets, bits, bucket, *, target):
-    """``qz.quantize_on_grid(x, scales, offsets, ...).dequantize()`` in one pass."""
+    """``qz.quantize_on_grid(x, scales, offsets, ...).dequantize()`` in one pass.
+
+    ``x`` moved exactly onto a given grid (round to nearest, clipped to its levels).
+
+    Args:
+      x: values ``(..., n)``, ``n`` a multiple of ``bucket`` (read as float32).
+      scales: float32 ``(..., n // bucket)``, the grid's step per bucket.
+      offsets: float32 ``(..., n // bucket)``, the grid's lowest value per bucket.
+      bits: bits per code, 1..8.
+      bucket: elements per (scale, offset) pair, a positive multiple of 8.
+      target: the Pallas lowering, one of ``_pallas.TARGETS``: ``"interpret"``, ``"triton"``
+        (CUDA) or ``"mosaic_tpu"``.
+
+    Returns:
+      The values on the grid, float32 ``(..., n)``.
+
+    Raises:
+      ValueError: ``bits`` not in 1..8; ``bucket`` not a positive multiple of 8; a last axis that
+        is not whole buckets; an unknown ``target``.
+    """
     return _run(x, [scales, offsets], [], bits=bits, bucket=bucket, rounding="grid",
                 output="values", target=target)
