@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
+from qsdp_jax._src import quantizers as qz
 import toymodel
 from qsdp_jax._src import hierarchy as hi
 from qsdp_jax import optim
@@ -99,7 +100,7 @@ def test_two_level_fp_collectives_equal_flat_ones(hmesh):
 def test_two_level_gather_on_grid_is_lossless(hmesh):
     axes = ("node", "local")
     x = jax.random.normal(jax.random.PRNGKey(2), (8 * BUCKET * 2,))
-    qt = q.quantize(x, 4, BUCKET, "nearest")
+    qt = qz.quantize(x, 4, BUCKET, "nearest")
     on_grid = qt.dequantize()
 
     def g(s, sc, off):

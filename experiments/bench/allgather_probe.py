@@ -33,9 +33,12 @@ def _setup(num_bytes: int, dtype_name: str, mesh):
     if n <= 0:
         raise ValueError(f"num_bytes={num_bytes} too small for {ndev} devices of {dtype_name}")
     sharding = NamedSharding(mesh, P(AXIS))
-    x = jax.make_array_from_callback(
-        (n,), sharding, lambda idx: _pattern(idx[0].start or 0, idx[0].stop or n, dtype)
-    )
+
+    def shard(idx: tuple[slice, ...] | None):
+        assert idx is not None  # typed Optional, but jax only ever passes an index (and asserts so)
+        return _pattern(idx[0].start or 0, idx[0].stop or n, dtype)
+
+    x = jax.make_array_from_callback((n,), sharding, shard)
     gather = jax.jit(
         jax.shard_map(
             lambda a: jax.lax.all_gather(a, AXIS, tiled=True),
@@ -147,7 +150,8 @@ def env_probe() -> dict:
         "platform": jax.devices()[0].platform,
         "sum": float(total.addressable_data(0)),
         "gloo_pinned": bool(getattr(xla_bridge._jax.make_gloo_tcp_collectives, "_qsdp_pinned", False)),
-        "collectives": jax.config.jax_cpu_collectives_implementation,
+        # jax.config sets its flag attributes at run time, so the type has none: read via getattr
+        "collectives": getattr(jax.config, "jax_cpu_collectives_implementation"),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }

@@ -51,7 +51,7 @@ def check_kernels(out_dir: Path, bits_list=tuple(range(1, 9))) -> dict:
                 qk.snap(v + 1e-3, s, o, bits, bucket, target=target))
 
     names = ("packed", "scales", "offsets", "dequantized", "sum", "snap")
-    rows = []
+    rows: list[dict] = []
     rng = np.random.default_rng(0)
     for bits in bits_list:
         for rounding in qz.ROUNDINGS:

@@ -27,6 +27,10 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # the steps qsdp_jax returns are typed Callable; they forward the jit's ``lower``
+    from jax.stages import Wrapped
 
 from experiments.gpt.devices import simulate_cpu_devices
 
@@ -98,6 +102,7 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
     t0 = time.perf_counter()
     batch = {k: jax.ShapeDtypeStruct((batch_per_device * n_devices, model.cfg.seq_len), jnp.int32)
              for k in ("inputs", "targets")}
+    state: tuple[Any, Any] | q.TrainState  # (params, opt_state) for GSPMD, else a TrainState
     if scheme == GSPMD:
         opt = optax.adam(1e-3)
         state = gspmd_fsdp.abstract_state(model, mesh, opt)
@@ -108,7 +113,7 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
         opt = optim.qsdp(optax.adam(1e-3), cfg)
         state = q.abstract_train_state(model.abstract_params(), opt, mesh, cfg,
                                        stacked=model.stacked_groups)
-        compiled = q.make_train_step(model.loss, opt, mesh, cfg).lower(state, batch).compile()
+        compiled = cast("Wrapped", q.make_train_step(model.loss, opt, mesh, cfg)).lower(state, batch).compile()
         units = layer_units(state.layout)
     m = compiled.memory_analysis()
     peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes

@@ -29,6 +29,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from experiments.gpt.devices import simulate_cpu_devices
 from experiments.shelf.timing import format_results, time_alternating
@@ -77,10 +78,10 @@ def main(argv=None) -> int:
     mesh = q.make_mesh()
     params = model.init_params(0)
     # W8GF32 and WF32G8 split the cost between the weight path and the gradient path
-    names = ("fp32", "qsdp-W8G8", "qsdp-W4G4", "qsdp-W8GF32", "full-WF32G8")
-    configs = {name: q.QSDPConfig.from_name(name) for name in names}
+    qsdp_names = ("fp32", "qsdp-W8G8", "qsdp-W4G4", "qsdp-W8GF32", "full-WF32G8")
+    configs = {name: q.QSDPConfig.from_name(name) for name in qsdp_names}
     optimizers = {k: q.optim.qsdp(optax.adam(1e-4), c) for k, c in configs.items()}
-    states = {
+    states: dict[str, Any] = {  # a TrainState per config; GSPMD's: (params, opt_state)
         k: q.init_train_state(params, optimizers[k], mesh, c, stacked=model.stacked_groups)
         for k, c in configs.items()
     }
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
 
     # compile time: fresh jitted steps, compiled in rotation
     names = [*configs, GSPMD]
-    compile_s = {k: [] for k in names}
+    compile_s: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.compiles):
         for k in names[r % len(names):] + names[: r % len(names)]:
             step = make_step(k)

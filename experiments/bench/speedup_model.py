@@ -235,7 +235,7 @@ def predict_grid(
     and ``bytes_per_device`` ``{scheme: bytes}``. Speedups are against ``fp32`` (and ``bf16``)
     at the same model, bandwidth and node count, when those schemes are in ``schemes``.
     """
-    rows = []
+    rows: list[dict] = []
     for model, m in measured.items():
         n_meas = _count("n_devices", m["n_devices"])
         n_layers = _count("n_layers", m["n_layers"])
@@ -312,7 +312,8 @@ def check_against_network(
         cfg: statistics.median(float(r["step_time_s"]) for r in rs)
         for (cfg, bw), rs in groups.items() if bw is None
     }
-    pairs, unmatched = [], []
+    pairs: list[dict[str, Any]] = []
+    unmatched: list[dict] = []
     for (cfg, bw), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)):
         if bw is None:
             continue

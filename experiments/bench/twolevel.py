@@ -114,6 +114,7 @@ def _measure(bw, args, kwargs) -> dict[str, Any]:
                                         devices_per_process=args.devices_per_process, timeout_s=args.timeout)
         return {"bandwidth_mbit": None, "netns": None, "processes": procs,
                 "wall_s": time.perf_counter() - t0}
+    names: str | list[str]  # the one shaped namespace, or one per process
     if args.link == "loopback":  # bench.network's setup: every byte through one shaped queue
         with netns.shaped_namespace(name_prefix="qsdp2lvl", rate_mbit=bw, mtu=args.mtu,
                                     burst_kb=args.burst_kb) as ns:

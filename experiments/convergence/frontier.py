@@ -89,8 +89,7 @@ def summarise(records: dict[RunKey, dict], settings: dict | None = None) -> dict
         ref = {s: r["val_loss"] for s, r in fp.items()}
         fp32_bytes = _median([r["wire_bytes_per_step"] for r in fp.values()]) if fp else None
         order = [n for n in CONFIGS if n in by_config] + sorted(set(by_config) - set(CONFIGS))
-        any_rec = next(iter(by_config.values()))
-        any_rec = next(iter(any_rec.values()))
+        any_rec = next(iter(next(iter(by_config.values())).values()))
         corpora[corpus] = {
             "fp32_seeds": {str(s): v for s, v in sorted(ref.items())},
             "fp32_spread": stats.spread(list(ref.values())) if ref else None,

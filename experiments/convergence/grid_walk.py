@@ -78,7 +78,7 @@ def walk(mode: str, stats: str, bits: int, bucket: int, steps: int, lr: float, r
     rng = np.random.default_rng(0)
     exact = (rng.normal(size=(rows, bucket)) * 0.02).astype(np.float32)
     drift = rng.normal(size=exact.shape).astype(np.float32)
-    rounding = "stochastic" if mode == "qsdp" else "nearest"
+    rounding: qz.QRounding = "stochastic" if mode == "qsdp" else "nearest"
     golden = stats == "golden"  # one key for the walk, rotated by the step's phase
     if stats == "lattice":
         project = jax.jit(lambda x, k, t: lattice_project(x, bits, bucket, k))

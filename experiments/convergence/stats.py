@@ -82,7 +82,8 @@ class Interval:
 
     def contains(self, x: float) -> bool | None:
         """Whether ``x`` lies inside the interval (``None`` without an interval)."""
-        return None if self.half_width is None else self.low <= x <= self.high
+        hw = self.half_width
+        return None if hw is None else self.mean - hw <= x <= self.mean + hw
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)

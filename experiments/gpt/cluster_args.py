@@ -59,7 +59,7 @@ def parse_mesh(spec: str) -> tuple[tuple[str, int | None], ...]:
     """``"node=2,local=4"`` -> ``(("node", 2), ("local", 4))``; a size may be left out (None)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"--mesh {spec!r}: expected e.g. fsdp, node=2,local=4 or replica=2,fsdp=4")
-    axes = []
+    axes: list[tuple[str, int | None]] = []
     for part in spec.split(","):
         name, _, size = part.strip().partition("=")
         name = name.strip()
@@ -109,6 +109,7 @@ def mesh_sizes(spec: str, num_devices: int, num_processes: int) -> tuple[tuple[s
                              f"{outer}=2,{inner}={max(1, num_devices // 2)}")
         o = num_processes
     if o is None:
+        assert i is not None  # both left out is handled just above
         o = num_devices // i if num_devices % i == 0 else 0
     if i is None:
         i = num_devices // o if num_devices % o == 0 else 0

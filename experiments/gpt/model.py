@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import jax
 import jax.numpy as jnp
@@ -234,6 +234,7 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         resid_std = INIT_STD / math.sqrt(2 * cfg.n_layers)
+        assert cfg.d_ff is not None  # GPTConfig.__post_init__ fills the default
         self.fc = _linear(cfg, cfg.d_model, cfg.d_ff, rngs)
         self.proj = _linear(cfg, cfg.d_ff, cfg.d_model, rngs, std=resid_std)
 
@@ -390,14 +391,14 @@ class GPT:
     # ---- module views of the pure dicts -------------------------------------------------
 
     def embedding(self, embed_params: PyTree) -> Embedding:
-        return _rebuild(_defs(self.cfg)[EMBED], embed_params, f"group {EMBED!r}")
+        return cast(Embedding, _rebuild(_defs(self.cfg)[EMBED], embed_params, f"group {EMBED!r}"))
 
     def block(self, layer_params: PyTree) -> Block:
         """One layer's Block from its (un-stacked) pure dict."""
-        return _rebuild(_defs(self.cfg)[BLOCKS], layer_params, f"one layer of {BLOCKS!r}")
+        return cast(Block, _rebuild(_defs(self.cfg)[BLOCKS], layer_params, f"one layer of {BLOCKS!r}"))
 
     def head(self, head_params: PyTree) -> Head:
-        return _rebuild(_defs(self.cfg)[HEAD], head_params, f"group {HEAD!r}")
+        return cast(Head, _rebuild(_defs(self.cfg)[HEAD], head_params, f"group {HEAD!r}"))
 
     # ---- forward ------------------------------------------------------------------------
 
@@ -544,6 +545,7 @@ def flops_per_token(cfg: GPTConfig) -> float:
     Rematerialisation (recomputing the forward in the backward pass) is *not* included:
     this is model FLOPs, the numerator of MFU.
     """
+    assert cfg.d_ff is not None  # GPTConfig.__post_init__ fills the default
     n_matmul = cfg.n_layers * (4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.d_ff)
     n_matmul += cfg.vocab_size * cfg.d_model
     attention = 12 * cfg.n_layers * cfg.d_model * cfg.seq_len

@@ -22,6 +22,7 @@ import shutil
 import signal
 import threading
 from pathlib import Path
+from typing import TextIO
 
 from experiments.gpt.args import CLIError
 from experiments.gpt.files import NONFINITE, dumps_strict, write_atomic
@@ -80,7 +81,7 @@ class MetricsLog:
                 f"{self.path} does not hold the rows of steps 1..{start_step} the checkpoint "
                 f"continues from (has {len(steps)} rows, up to {max(steps, default=0)})"
             )
-        self._f = None  # the old file is replaced only once there is a row to replace it with
+        self._f: TextIO | None = None  # the old file is replaced only once there is a row to replace it with
 
     def append(self, row: dict) -> None:
         if not self.write:
@@ -133,6 +134,7 @@ class RunCheckpoints:
     def __post_init__(self):
         import qsdp_jax as q
 
+        self.replaced: Path | None = None  # an earlier run's checkpoints moved aside (--overwrite)
         self.ckpt = q.Checkpointer(self.directory, keep=self.keep)
 
     @staticmethod
@@ -175,7 +177,7 @@ class RunCheckpoints:
         complete on every process), close."""
         self.save(trainer, force=True)
         self.ckpt.wait()
-        if getattr(self, "replaced", None) is not None:
+        if self.replaced is not None:
             if is_process_0():
                 shutil.rmtree(self.replaced, ignore_errors=True)
             self.replaced = None

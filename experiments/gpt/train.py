@@ -218,7 +218,7 @@ def main(argv=None) -> int:
         try:
             parser.error(str(e))
         except SystemExit as exit_:
-            return int(exit_.code)
+            return int(exit_.code or 0)  # parser.error exits with 2
     except KeyboardInterrupt:
         return 130
     except Stopped as e:

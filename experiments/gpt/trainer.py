@@ -8,15 +8,17 @@ entry points do that before importing jax.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import jax
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
@@ -110,6 +112,7 @@ def make_schedule(run: RunConfig) -> optax.Schedule:
     """Linear warmup (none if ``warmup == 0``), then cosine decay to ``min_lr_ratio * lr`` or
     constant."""
     end = run.lr * run.min_lr_ratio
+    assert run.warmup is not None  # RunConfig.__post_init__ fills the default
     if run.schedule == "cosine":
         decay = optax.cosine_decay_schedule(run.lr, run.steps - run.warmup, alpha=end / run.lr)
     else:
@@ -185,8 +188,10 @@ class Trainer:
         # config and the accounting.
         self.module = GPTModel.from_params(self.model.cfg, self.model.init_params(run.seed))
         self.state = qnnx.init_state(self.module, self.optimizer, self.mesh, run.qsdp)
-        self.step_fn = qnnx.make_train_step(self.module, gpt_loss, self.optimizer, self.mesh, run.qsdp)
-        self.eval_fn = qnnx.make_eval_step(self.module, gpt_loss, self.mesh, run.qsdp)
+        # qsdp_jax.nnx types the loss's model as any nnx.Module; it passes the GPTModel given here
+        loss = cast(Callable[[nnx.Module, Any], Any], gpt_loss)
+        self.step_fn = qnnx.make_train_step(self.module, loss, self.optimizer, self.mesh, run.qsdp)
+        self.eval_fn = qnnx.make_eval_step(self.module, loss, self.mesh, run.qsdp)
 
     @property
     def n_devices(self) -> int:
@@ -198,15 +203,19 @@ class Trainer:
         shape = (self.run.batch_size, self.model.cfg.seq_len)
         return {
             key: jax.make_array_from_callback(
-                shape, self.batch_sharding,
-                lambda idx, key=key: self.sampler.batch(step, rows=idx[0])[key])
+                shape, self.batch_sharding, functools.partial(self._rows, step, key))
             for key in ("inputs", "targets")
         }
+
+    def _rows(self, step: int, key: str, idx: tuple[slice, ...] | None) -> np.ndarray:
+        """``key`` of batch ``step``, the rows of shard index ``idx`` (an array callback)."""
+        assert idx is not None  # typed Optional, but jax only ever passes an index (and asserts so)
+        return self.sampler.batch(step, rows=idx[0])[key]
 
     def global_batch(self, batch: dict) -> dict:
         """A host batch (the same on every process) as arrays sharded over the mesh."""
         return {k: jax.make_array_from_callback(np.shape(v), self.batch_sharding,
-                                                lambda idx, v=v: np.asarray(v)[idx])
+                                                functools.partial(_host_rows, v))
                 for k, v in batch.items()}
 
     def wire_report(self) -> comm.CommReport:
@@ -252,6 +261,11 @@ def train(run: RunConfig, on_step: Callable[[StepLog], None] | None = None, devi
     return summarise(trainer, history, report, time.perf_counter() - t_start, compile_s)
 
 
+def _host_rows(v, idx):
+    """The shard ``idx`` of the host array ``v`` (an array callback)."""
+    return np.asarray(v)[idx]
+
+
 def summarise(trainer: Trainer, history: list[StepLog], report, wall_s: float, compile_s: float) -> RunResult:
     run = trainer.run
     if not history:
@@ -259,6 +273,7 @@ def summarise(trainer: Trainer, history: list[StepLog], report, wall_s: float, c
     tail = history[-max(1, len(history) // 10):]
     timed = [h.seconds for h in history[1:]] or [history[0].seconds]
     tokens = run.batch_size * trainer.model.cfg.seq_len
+    assert history[-1].val_loss is not None  # the last step is always evaluated
     return RunResult(
         config=run.as_dict(),
         history=history,

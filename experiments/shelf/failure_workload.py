@@ -54,7 +54,7 @@ def batch_at(step: int, mesh):
     host = {"x": r.normal(size=(BATCH, IN)).astype(np.float32),
             "y": r.normal(size=(BATCH, 4)).astype(np.float32)}
     sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i]) for k, v in host.items()}
+    return {k: jax.make_array_from_callback(v.shape, sharding, v.__getitem__) for k, v in host.items()}
 
 
 def train(out: Path, steps: int, every: int, bound: float, save_timeout: float, what: str) -> list[float]:

@@ -416,7 +416,7 @@ def _pin_gloo_to_loopback(host: str = "127.0.0.1") -> None:
                 hostname = host
             return orig(distributed_client=distributed_client, hostname=hostname, interface=interface)
 
-        pinned._qsdp_pinned = True
+        setattr(pinned, "_qsdp_pinned", True)  # a function attribute mypy cannot declare
         xla_bridge._jax.make_gloo_tcp_collectives = pinned
     except Exception as e:  # noqa: BLE001
         print(f"warning: could not pin gloo to 127.0.0.1 ({e!r}); using jax's default",

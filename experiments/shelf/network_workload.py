@@ -23,7 +23,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # the steps qsdp_jax returns are typed Callable; they forward the jit's ``lower``
+    from jax.stages import Wrapped
 
 from experiments.shelf.timing import time_alternating
 
@@ -59,7 +62,7 @@ def qsdp_config(name: str, *, seed: int = 0):
     return QSDPConfig.from_name(name, seed=seed)
 
 
-def gpt_config(model: Mapping[str, int]):
+def gpt_config(model: Mapping[str, Any]):
     """``GPTConfig`` from a dict of explicit dims (keys of ``GPTConfig``)."""
     from experiments.gpt.model import GPTConfig  # imports jax: the parent process imports this module without
 
@@ -150,7 +153,7 @@ def build_steps(
         state = q.init_train_state(params, opt, mesh, cfg, stacked=gpt.stacked_groups)
         t1 = time.perf_counter()
         step_fn = q.make_train_step(gpt.loss, opt, mesh, cfg)
-        compiled = step_fn.lower(state, batch).compile(dict(compiler_options or {}) or None)
+        compiled = cast("Wrapped", step_fn).lower(state, batch).compile(dict(compiler_options or {}) or None)
         t2 = time.perf_counter()
         report = comm.comm_report(compiled)
         built[name] = BuiltStep(

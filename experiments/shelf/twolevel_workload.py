@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # the steps qsdp_jax returns are typed Callable; they forward the jit's ``lower``
+    from jax.stages import Wrapped
 
 from experiments.shelf.network_workload import DEFAULT_MODEL, TINY_MODEL, _optimizer, gpt_config
 from experiments.shelf.timing import time_alternating
@@ -106,7 +109,7 @@ def train_losses(
     for i in range(steps):
         batch = _batch(mesh, cfg, i, global_batch, gcfg.seq_len, gcfg.vocab_size, seed)
         if compiled is None:
-            compiled = step_fn.lower(state, batch).compile(dict(compiler_options or {}) or None)
+            compiled = cast("Wrapped", step_fn).lower(state, batch).compile(dict(compiler_options or {}) or None)
         state, metrics = compiled(state, batch)
         losses.append(float(np.asarray(metrics["loss"].addressable_data(0))))
         norms.append(float(np.asarray(metrics["grad_norm"].addressable_data(0))))
@@ -183,7 +186,7 @@ def twolevel_benchmark(
         opt = _optimizer(cfg)
         state = q.init_train_state(params, opt, mesh, cfg, stacked=gpt.stacked_groups)
         t1 = time.perf_counter()
-        compiled = q.make_train_step(gpt.loss, opt, mesh, cfg).lower(state, batch).compile()
+        compiled = cast("Wrapped", q.make_train_step(gpt.loss, opt, mesh, cfg)).lower(state, batch).compile()
         built[name] = dict(state=state, compiled=compiled, batch=batch,
                            compile_s=time.perf_counter() - t1)
     build_s = time.perf_counter() - t0

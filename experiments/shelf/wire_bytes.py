@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
+
+if TYPE_CHECKING:  # the steps qsdp_jax returns are typed Callable; they forward the jit's ``lower``
+    from jax.stages import Wrapped
 
 DEFAULT_SCHEMES = (
     "fp32", "bf16", "qsdp-W8G8", "qsdp-W6G6", "qsdp-W4G4", "qsdp-W4G8", "qsdp-W2G4"
@@ -162,7 +165,7 @@ def measure(
         opt = optim.qsdp(optax.adam(1e-3), cfg)
         state = q.abstract_train_state(params, opt, mesh, cfg, stacked=model.stacked_groups)
         step = q.make_train_step(model.loss, opt, mesh, cfg)
-        report = comm.comm_report(step.lower(state, batch).compile())
+        report = comm.comm_report(cast("Wrapped", step).lower(state, batch).compile())
         dt = time.perf_counter() - t0
         by_kind = {k: report.by_kind().get(k, 0.0) for k in KINDS}
         hlo_gs = sum(by_kind[k] for k in GATHER_SCATTER_KINDS)
