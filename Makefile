@@ -23,9 +23,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
-# ruff's bug-finding rules and mypy (pyproject.toml's [tool.ruff] and [tool.mypy] say which, and why).
+# ruff's bug-finding rules, ruff's format check and mypy (pyproject.toml's [tool.ruff] and [tool.mypy] say which, and why).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 # The documentation site (Sphinx + MyST, API pages from the docstrings), warnings as errors.

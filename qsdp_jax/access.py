@@ -97,9 +97,7 @@ class LocalParams:
 
     def __init__(self, params: dict[str, PyTree]):
         if not isinstance(params, dict):
-            raise TypeError(
-                f"params must be a dict of groups, got {type(params).__name__}"
-            )
+            raise TypeError(f"params must be a dict of groups, got {type(params).__name__}")
         self._params = params
 
     def gather(self, group: str) -> PyTree:
@@ -145,7 +143,5 @@ class LocalParams:
 
 def _check_group(params: dict, group: str) -> str:
     if group not in params:
-        raise KeyError(
-            f"unknown parameter group {group!r}; groups are {sorted(params)}"
-        )
+        raise KeyError(f"unknown parameter group {group!r}; groups are {sorted(params)}")
     return group

@@ -58,16 +58,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qsdp_jax._src import checkpoint_safety as safety
 from qsdp_jax._src.checkpoint_record import (
-    FORMAT, CheckpointMismatch, check_format, check_match, comparable, describe, jsonable,
-    library_version, moved_grids, refuse_grids,
+    FORMAT,
+    CheckpointMismatch,
+    check_format,
+    check_match,
+    comparable,
+    describe,
+    jsonable,
+    library_version,
+    moved_grids,
+    refuse_grids,
 )
 from qsdp_jax._src.checkpoint_safety import CheckpointDamaged, CheckpointLocked
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.regrid import grid_leaf_keys
 from qsdp_jax._src.regrid import regrid as regrid_state
 
-__all__ = ["FORMAT", "CheckpointDamaged", "CheckpointLocked", "CheckpointMismatch", "Checkpointer",
-           "export_state"]
+__all__ = ["FORMAT", "CheckpointDamaged", "CheckpointLocked", "CheckpointMismatch", "Checkpointer", "export_state"]
 PyTree = Any
 
 
@@ -135,8 +142,11 @@ class Checkpointer:
         # run) is opened read-only: restore works, save fails at once naming it.
         self.read_only = self.directory.is_dir() and not os.access(self.directory, os.W_OK)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=not self.read_only, enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=not self.read_only, read_only=self.read_only,
+            max_to_keep=keep,
+            create=not self.read_only,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=not self.read_only,
+            read_only=self.read_only,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("arrays", "meta"))
         self._lock = safety.WriterLock(self.directory)
@@ -181,16 +191,26 @@ class Checkpointer:
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 - orbax raises whatever the damaged file gives
-            raise CheckpointDamaged(f"{self.directory / str(step) / 'meta'}: the checkpoint's "
-                                    f"record cannot be read ({type(e).__name__}: {e})") from e
+            raise CheckpointDamaged(
+                f"{self.directory / str(step) / 'meta'}: the checkpoint's "
+                f"record cannot be read ({type(e).__name__}: {e})"
+            ) from e
         meta = out["meta"]
         if not isinstance(meta, dict):
             raise CheckpointDamaged(f"{self.directory / str(step) / 'meta'}: not a checkpoint record")
         return meta
 
     # -- save / restore --
-    def save(self, state, config: QSDPConfig, mesh: Mesh, *, identity: dict | None = None,
-             extra: dict | None = None, force: bool = True) -> bool:
+    def save(
+        self,
+        state,
+        config: QSDPConfig,
+        mesh: Mesh,
+        *,
+        identity: dict | None = None,
+        extra: dict | None = None,
+        force: bool = True,
+    ) -> bool:
         """Save ``state`` at its step (asynchronously unless ``async_save=False``).
 
         Args:
@@ -210,8 +230,11 @@ class Checkpointer:
           OSError: the directory cannot be written (opened read-only, or no permission).
         """
         if self.read_only:
-            raise OSError(errno.EROFS, f"cannot save into {self.directory}: it is not writable "
-                          "here (opened read-only: restore works, save does not)")
+            raise OSError(
+                errno.EROFS,
+                f"cannot save into {self.directory}: it is not writable "
+                "here (opened read-only: restore works, save does not)",
+            )
         if jax.process_index() == 0:
             self._lock.acquire()
         step = int(jax.device_get(state.step))
@@ -220,8 +243,10 @@ class Checkpointer:
         arrays = export_state(state, mesh)
         meta = describe(state, config, mesh, identity)
         meta.update(
-            step=step, mesh_shape={k: int(v) for k, v in mesh.shape.items()},
-            library_version=library_version(), extra=jsonable(extra or {}),
+            step=step,
+            mesh_shape={k: int(v) for k, v in mesh.shape.items()},
+            library_version=library_version(),
+            extra=jsonable(extra or {}),
             leaves={k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
         )
         names = {k: f"leaf_{i:04d}" for i, k in enumerate(arrays) if not _is_param(k)}
@@ -232,16 +257,30 @@ class Checkpointer:
         meta["checksums"] = safety.checksums(host)
         params = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(state.params),
-            [host[".params" + jax.tree_util.keystr(p)]
-             for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]])
+            [
+                host[".params" + jax.tree_util.keystr(p)]
+                for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]
+            ],
+        )
         stored = {"params": params, "state": {names[k]: v for k, v in host.items() if k in names and v.size}}
-        return bool(self._manager.save(
-            step, args=ocp.args.Composite(arrays=ocp.args.PyTreeSave(stored), meta=ocp.args.JsonSave(meta)),
-            force=force,
-        ))
+        return bool(
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(arrays=ocp.args.PyTreeSave(stored), meta=ocp.args.JsonSave(meta)),
+                force=force,
+            )
+        )
 
-    def restore(self, template, config: QSDPConfig, mesh: Mesh, *, step: int | None = None,
-                identity: dict | None = None, regrid: bool = False):
+    def restore(
+        self,
+        template,
+        config: QSDPConfig,
+        mesh: Mesh,
+        *,
+        step: int | None = None,
+        identity: dict | None = None,
+        regrid: bool = False,
+    ):
         """``(state, extra)`` from a checkpoint (default: the newest complete, intact one), laid
         out like ``template`` (a TrainState, concrete or abstract, for this mesh and config).
 
@@ -301,8 +340,10 @@ class Checkpointer:
                     target, n = self.directory / f"{s}.damaged.{n}", n + 1
                 (self.directory / str(s)).rename(target)
                 moved.append(target.name)
-            warnings.warn(f"moved the damaged checkpoint(s) aside in {self.directory}: {moved} "
-                          "(delete them once looked at)", stacklevel=3)
+            warnings.warn(
+                f"moved the damaged checkpoint(s) aside in {self.directory}: {moved} (delete them once looked at)",
+                stacklevel=3,
+            )
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"qsdp_jax checkpoint set aside {steps}")
         self._manager.reload()
@@ -313,8 +354,7 @@ class Checkpointer:
         check_format(meta, where)
         wanted = describe(template, config, mesh, identity)
         keys = ("format", "config", "layout", "identity")
-        check_match(comparable({k: meta.get(k) for k in keys}), comparable({k: wanted[k] for k in keys}),
-                    where=where)
+        check_match(comparable({k: meta.get(k) for k in keys}), comparable({k: wanted[k] for k in keys}), where=where)
         moved = moved_grids(meta.get("grids", {}), wanted["grids"])
         if moved and not regrid:
             refuse_grids(meta.get("grids", {}), wanted["grids"], moved, where)
@@ -337,14 +377,19 @@ class Checkpointer:
                 continue
             host = arrays[key]
             if tuple(host.shape) != tuple(like.shape):
-                raise CheckpointMismatch(f"{key}: the checkpoint holds shape {host.shape}, this state needs {like.shape}")
+                raise CheckpointMismatch(
+                    f"{key}: the checkpoint holds shape {host.shape}, this state needs {like.shape}"
+                )
             if str(host.dtype) != str(like.dtype):
                 raise CheckpointMismatch(f"{key}: the checkpoint holds {host.dtype}, this state needs {like.dtype}")
             out.append(_to_device(host, like.sharding))
         state = jax.tree_util.tree_unflatten(treedef, out)
         if moved:
-            warnings.warn(f"{where}: the weight grids of {moved} have other buckets on this mesh; "
-                          "their weights were re-projected onto it (round to nearest)", stacklevel=3)
+            warnings.warn(
+                f"{where}: the weight grids of {moved} have other buckets on this mesh; "
+                "their weights were re-projected onto it (round to nearest)",
+                stacklevel=3,
+            )
             state = regrid_state(state, moved, config, mesh)
         return state, meta.get("extra", {})
 
@@ -374,10 +419,13 @@ class Checkpointer:
         try:
             tree = self._manager.item_metadata(step)["arrays"]
             as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-            got = self._manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.PyTreeRestore(
-                item=tree, restore_args=as_numpy)))["arrays"]
-            params = {".params" + jax.tree_util.keystr(p): np.asarray(x)
-                      for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]}
+            got = self._manager.restore(
+                step, args=ocp.args.Composite(arrays=ocp.args.PyTreeRestore(item=tree, restore_args=as_numpy))
+            )["arrays"]
+            params = {
+                ".params" + jax.tree_util.keystr(p): np.asarray(x)
+                for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]
+            }
             state = got.get("state", {})
             out = {}
             for k, (shape, dtype) in meta["leaves"].items():

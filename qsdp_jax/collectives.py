@@ -91,8 +91,9 @@ def quantized_all_gather(
         needs a key without one, or ``"shift"`` with bf16 stats.
     """
     n = shard.shape[-1]
-    payload = quantize_payload(shard, bits=bits, bucket=bucket, grid=grid, rounding=rounding,
-                               key=key, kernels=kernels, stats_dtype=stats_dtype)
+    payload = quantize_payload(
+        shard, bits=bits, bucket=bucket, grid=grid, rounding=rounding, key=key, kernels=kernels, stats_dtype=stats_dtype
+    )
     gathered = lax.all_gather(payload, axis_name, axis=0, tiled=False)  # (N, payload)
     return dequantize_payloads(gathered, n, bits=bits, bucket=bucket, kernels=kernels, stats_dtype=stats_dtype)
 
@@ -103,8 +104,9 @@ def stats_kernels(kernels: str, stats_dtype: str) -> str:
     return kernels if stats_dtype == "float32" else "reference"
 
 
-def quantize_payload(shard, *, bits, bucket, grid=None, rounding="nearest", key=None, kernels="auto",
-                     stats_dtype="float32"):
+def quantize_payload(
+    shard, *, bits, bucket, grid=None, rounding="nearest", key=None, kernels="auto", stats_dtype="float32"
+):
     """The uint8 payload of a 1-D shard (codes + per-bucket stats bytes, :func:`to_payload`'s
     layout): on ``grid`` when given (lossless), else quantized with ``rounding``."""
     sd = stats_dtype
@@ -112,16 +114,20 @@ def quantize_payload(shard, *, bits, bucket, grid=None, rounding="nearest", key=
         return qk.select(
             kernels,
             lambda x, s, o: to_payload(qz.quantize_on_grid(x, s, o, bits, bucket), split=bits < 8, stats_dtype=sd),
-            lambda x, s, o, target: payload_from_packed(
-                qk.grid_pack(x, s, o, bits, bucket, target=target), s, o, sd),
-            shard, grid[0], grid[1], bucket=bucket,
+            lambda x, s, o, target: payload_from_packed(qk.grid_pack(x, s, o, bits, bucket, target=target), s, o, sd),
+            shard,
+            grid[0],
+            grid[1],
+            bucket=bucket,
         )
     return qk.select(
         stats_kernels(kernels, sd),
-        lambda x: to_payload(qz.quantize(x, bits, bucket, rounding, key, stats_dtype=sd), split=bits < 8,
-                             stats_dtype=sd),
+        lambda x: to_payload(
+            qz.quantize(x, bits, bucket, rounding, key, stats_dtype=sd), split=bits < 8, stats_dtype=sd
+        ),
         lambda x, target: payload_from_packed(*qk.quantize_pack(x, bits, bucket, rounding, key, target=target)),
-        shard, bucket=bucket,
+        shard,
+        bucket=bucket,
     )
 
 
@@ -132,8 +138,10 @@ def dequantize_payloads(payloads, n, *, bits, bucket, kernels="auto", stats_dtyp
         kernels,
         lambda p: dequantize_rows(p, n, bits, bucket, stats_dtype=sd).reshape(-1),
         lambda p, target: qk.unpack_dequantize(
-            *split_payload(p, n, bits, bucket, sd), bits, bucket, n, target=target).reshape(-1),
-        payloads, bucket=bucket,
+            *split_payload(p, n, bits, bucket, sd), bits, bucket, n, target=target
+        ).reshape(-1),
+        payloads,
+        bucket=bucket,
     )
 
 
@@ -217,19 +225,22 @@ def quantized_reduce_scatter(
         rows = qr.rotate(rows, qr.chunk_signs(key, jnp.arange(num), chunk), rotation)
     payload = qk.select(
         stats_kernels(kernels, sd),
-        lambda x: to_payload(qz.quantize(x, bits, bucket, rounding, sender_key, stats_dtype=sd),
-                             split=True, stats_dtype=sd),
-        lambda x, target: payload_from_packed(
-            *qk.quantize_pack(x, bits, bucket, rounding, sender_key, target=target)),
-        rows, bucket=bucket,
+        lambda x: to_payload(
+            qz.quantize(x, bits, bucket, rounding, sender_key, stats_dtype=sd), split=True, stats_dtype=sd
+        ),
+        lambda x, target: payload_from_packed(*qk.quantize_pack(x, bits, bucket, rounding, sender_key, target=target)),
+        rows,
+        bucket=bucket,
     )
     received = lax.all_to_all(payload, axis_name, 0, 0, tiled=False)  # (N, payload)
     summed = qk.select(
         kernels,
         lambda p: dequantize_rows(p, chunk, bits, bucket, summed=True, stats_dtype=sd),  # (N, payload) -> (chunk,)
         lambda p, target: qk.unpack_dequantize_sum(
-            *split_payload(p, chunk, bits, bucket, sd), bits, bucket, chunk, target=target),
-        received, bucket=bucket,
+            *split_payload(p, chunk, bits, bucket, sd), bits, bucket, chunk, target=target
+        ),
+        received,
+        bucket=bucket,
     )
     if rotation is None:
         return summed

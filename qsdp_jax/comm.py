@@ -204,8 +204,7 @@ class CommReport:
         shape = _mesh_sizes(mesh, self.num_devices)
         if axis not in shape:
             raise ValueError(f"axis {axis!r} is not a mesh axis; the mesh has {tuple(shape)}")
-        return float(sum(c.bytes_on_wire for c in self.collectives
-                         if axis in axes_spanned(c.replica_groups, shape)))
+        return float(sum(c.bytes_on_wire for c in self.collectives if axis in axes_spanned(c.replica_groups, shape)))
 
     def _sum(self, key: Callable[[Collective], Any]) -> dict:
         out: dict = defaultdict(float)
@@ -228,8 +227,7 @@ class CommReport:
             "by_dtype": self.by_dtype(),
             "by_kind_dtype": {f"{k}/{d}": v for (k, d), v in self.by_kind_dtype().items()},
             "collectives": [
-                {k: v for k, v in dataclasses.asdict(c).items() if k != "replica_groups"}
-                for c in self.collectives
+                {k: v for k, v in dataclasses.asdict(c).items() if k != "replica_groups"} for c in self.collectives
             ],
             "warnings": list(self.warnings),
         }
@@ -290,8 +288,7 @@ def _mesh_sizes(mesh: Any, num_devices: int | None) -> dict[str, int]:
     for v in sizes.values():
         total *= v
     if num_devices is not None and total != num_devices:
-        raise ValueError(f"the mesh {sizes} has {total} devices but the program ran on "
-                         f"{num_devices}")
+        raise ValueError(f"the mesh {sizes} has {total} devices but the program ran on {num_devices}")
     return sizes
 
 
@@ -341,13 +338,12 @@ def comm_report(fn: Any, *args: Any, **kwargs: Any) -> CommReport:
     if text is None:  # jax types as_text() as str | None: a backend with no text view
         raise NotImplementedError(
             "comm_report: this backend gives no HLO text for the compiled step "
-            f"({jax.default_backend()}); count the bytes with comm_report_from_hlo on a dump instead")
+            f"({jax.default_backend()}); count the bytes with comm_report_from_hlo on a dump instead"
+        )
     return comm_report_from_hlo(text)
 
 
-def comm_report_from_hlo(
-    hlo_text: str, num_devices: int | None = None, *, strict: bool = False
-) -> CommReport:
+def comm_report_from_hlo(hlo_text: str, num_devices: int | None = None, *, strict: bool = False) -> CommReport:
     """Wire bytes per device per step of every collective in an HLO module's text.
 
     Args:
@@ -419,9 +415,7 @@ def _collective(site: CollectiveSite, num_devices: int, warnings: list[str]) -> 
     if kind == "collective-permute":
         pairs_text = _attr_value(ins.attrs, "source_target_pairs") or "{}"
         pairs = [
-            tuple(int(x) for x in p.split(","))
-            for p in re.findall(r"\{([^{}]*)\}", pairs_text[1:-1])
-            if p.strip()
+            tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{([^{}]*)\}", pairs_text[1:-1]) if p.strip()
         ]
         n = len({d for p in pairs for d in p})
         moves = any(p[0] != p[1] for p in pairs)
@@ -440,9 +434,7 @@ def _collective(site: CollectiveSite, num_devices: int, warnings: list[str]) -> 
         elif inputs is not None:
             leaves = inputs
         else:  # operand shape not found: the full input is result * N (reduce-scatter)
-            warnings.append(
-                f"%{ins.name} in %{ins.computation}: operand shape not found, derived from result"
-            )
+            warnings.append(f"%{ins.name} in %{ins.computation}: operand shape not found, derived from result")
             leaves = outputs
             if kind == "reduce-scatter":
                 leaves = [dataclasses.replace(a, dims=(*a.dims, n)) for a in outputs]
@@ -467,4 +459,3 @@ def _collective(site: CollectiveSite, num_devices: int, warnings: list[str]) -> 
         )
         for dtype, payload in by_dtype.items()
     ]
-

@@ -189,19 +189,30 @@ class QSDPConfig:
             if self.grad_bits is None:
                 _fail("grad_rotation", r, "None when grad_bits=None (only quantized gradients are rotated)")
             if self.outer_axis is not None:
-                _fail("grad_rotation", r, "None on a two-level mesh (node_axis / replica_axis): "
-                      "the rotated reduce-scatter is implemented for 1-D meshes only")
+                _fail(
+                    "grad_rotation",
+                    r,
+                    "None on a two-level mesh (node_axis / replica_axis): "
+                    "the rotated reduce-scatter is implemented for 1-D meshes only",
+                )
         _check_choice("stats_dtype", self.stats_dtype, STATS_DTYPES)
         if self.stats_dtype != "float32":
             if self.weight_mode == "qsdp":
-                _fail("stats_dtype", self.stats_dtype,
-                      "'float32' with weight_mode='qsdp': a bf16 grid reaches past its bucket's range, "
-                      "weights kept on it land there, and the range ratchets outward step after step "
-                      "(measured +55% validation loss at W4G4; experiments/grid_walk.py shows it); "
-                      "use weight_mode='comm' or 'full' for compact statistics")
+                _fail(
+                    "stats_dtype",
+                    self.stats_dtype,
+                    "'float32' with weight_mode='qsdp': a bf16 grid reaches past its bucket's range, "
+                    "weights kept on it land there, and the range ratchets outward step after step "
+                    "(measured +55% validation loss at W4G4; experiments/grid_walk.py shows it); "
+                    "use weight_mode='comm' or 'full' for compact statistics",
+                )
             if self.outer_axis is not None:
-                _fail("stats_dtype", self.stats_dtype, "'float32' on a two-level mesh (node_axis / "
-                      "replica_axis): compact statistics are implemented for 1-D meshes only")
+                _fail(
+                    "stats_dtype",
+                    self.stats_dtype,
+                    "'float32' on a two-level mesh (node_axis / "
+                    "replica_axis): compact statistics are implemented for 1-D meshes only",
+                )
 
     def _check_policy(self):
         """Validate ``bit_policy`` (lists are accepted and stored as tuples: hashable)."""
@@ -215,15 +226,23 @@ class QSDPConfig:
                 _fail(field, rule, "a rule (pattern, weight_bits, grad_bits), e.g. ('embed/*', 8, 8)")
             pattern, wb, gb = rule
             if not isinstance(pattern, str) or not pattern.strip():
-                _fail(field, tuple(rule), "a rule whose pattern is a non-empty string (fnmatch on "
-                      "the leaf path 'group/key/...')")
+                _fail(
+                    field,
+                    tuple(rule),
+                    "a rule whose pattern is a non-empty string (fnmatch on the leaf path 'group/key/...')",
+                )
             for what, v in (("weight_bits", wb), ("grad_bits", gb)):
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8):
                     _fail(field, tuple(rule), f"a rule whose {what} is None or an integer in 1..8")
             if pattern in [r[0] for r in rules]:
-                _fail(field, tuple(rule), f"a rule with a pattern not used before ({pattern!r} is "
-                      "rule " f"{[r[0] for r in rules].index(pattern)}; the first match wins, so this "
-                      "rule could never apply)")
+                _fail(
+                    field,
+                    tuple(rule),
+                    f"a rule with a pattern not used before ({pattern!r} is "
+                    "rule "
+                    f"{[r[0] for r in rules].index(pattern)}; the first match wins, so this "
+                    "rule could never apply)",
+                )
             self._check_rule_bits(field, (pattern, wb, gb))
             rules.append((pattern, wb, gb))
         object.__setattr__(self, "bit_policy", tuple(rules))
@@ -233,15 +252,27 @@ class QSDPConfig:
         _, wb, _ = rule
         mode = self.weight_mode
         if mode == "full" and wb is not None:
-            _fail(field, rule, "a rule with weight_bits None when weight_mode='full' (quantized "
-                  "weights need weight_mode 'qsdp' or 'comm')")
+            _fail(
+                field,
+                rule,
+                "a rule with weight_bits None when weight_mode='full' (quantized "
+                "weights need weight_mode 'qsdp' or 'comm')",
+            )
         if mode == "qsdp" and wb is None and self.fp_comm_dtype != "float32":
-            _fail(field, rule, "a rule with weight_bits 1..8 when weight_mode='qsdp' and "
-                  f"fp_comm_dtype={self.fp_comm_dtype!r}: full-precision leaves (None) are "
-                  "gathered in fp_comm_dtype, which is lossless only in 'float32'")
+            _fail(
+                field,
+                rule,
+                "a rule with weight_bits 1..8 when weight_mode='qsdp' and "
+                f"fp_comm_dtype={self.fp_comm_dtype!r}: full-precision leaves (None) are "
+                "gathered in fp_comm_dtype, which is lossless only in 'float32'",
+            )
         if mode == "qsdp" and self.weight_rounding == "shift" and wb == 1:
-            _fail(field, rule, "a rule with weight_bits 2..8 (or None) with weight_mode='qsdp' and "
-                  "weight_rounding='shift': the shifted grid needs a spare level")
+            _fail(
+                field,
+                rule,
+                "a rule with weight_bits 2..8 (or None) with weight_mode='qsdp' and "
+                "weight_rounding='shift': the shifted grid needs a spare level",
+            )
 
     def buffer_config(self, weight_bits: int | None, grad_bits: int | None) -> "QSDPConfig":
         """The config of one buffer of a :attr:`bit_policy`: these bits on every level, no policy.
@@ -261,8 +292,13 @@ class QSDPConfig:
         """
         mode = "full" if weight_bits is None else self.weight_mode
         return dataclasses.replace(
-            self, weight_bits=weight_bits, grad_bits=grad_bits, weight_mode=mode,
-            inter_weight_bits=None, inter_grad_bits=None, bit_policy=(),
+            self,
+            weight_bits=weight_bits,
+            grad_bits=grad_bits,
+            weight_mode=mode,
+            inter_weight_bits=None,
+            inter_grad_bits=None,
+            bit_policy=(),
             grad_rotation=None if grad_bits is None else self.grad_rotation,  # fp gradients: no rotation
         )
 
@@ -276,7 +312,8 @@ class QSDPConfig:
                 _fail(field, v, f"an axis other than axis_name={self.axis_name!r}")
         if self.node_axis is not None and self.replica_axis is not None:
             _fail(
-                "replica_axis", self.replica_axis,
+                "replica_axis",
+                self.replica_axis,
                 f"None when node_axis={self.node_axis!r} is set (two levels at most: a mesh is "
                 "either hierarchical (node_axis) or hybrid (replica_axis))",
             )
@@ -286,21 +323,24 @@ class QSDPConfig:
             v = getattr(self, field)
             if v is not None and self.outer_axis is None:
                 _fail(
-                    field, v,
+                    field,
+                    v,
                     "None on a 1-D mesh: per-level bits need two levels (set node_axis for a "
                     "hierarchical ('node', 'local') mesh or replica_axis for a hybrid one)",
                 )
         if self.inter_weight_bits is not None and self.weight_mode == "qsdp":
             if self.inter_weight_bits != self.weight_bits:
                 _fail(
-                    "inter_weight_bits", self.inter_weight_bits,
+                    "inter_weight_bits",
+                    self.inter_weight_bits,
                     f"None or equal to weight_bits={self.weight_bits} with weight_mode='qsdp': "
                     "the weights live on one grid and every level forwards its codes, which keeps "
                     "the gather lossless (per-level weight bits need weight_mode 'comm' or 'full')",
                 )
         if self.replica_axis is not None and self.inter_weight_bits is not None:
             _fail(
-                "inter_weight_bits", self.inter_weight_bits,
+                "inter_weight_bits",
+                self.inter_weight_bits,
                 "None with replica_axis: a hybrid mesh gathers weights only inside a group",
             )
 
@@ -463,8 +503,9 @@ class QSDPConfig:
         (``-rot64``), compact statistics (``-bf16stats``) and each distinct bits of a bit policy
         (``-pW8G8``); :meth:`from_name` reads the names without suffixes."""
         if self.weight_bits is None and self.grad_bits is None:
-            return (("fp32" if self.fp_comm_dtype == "float32" else "bf16") + self._level_suffix()
-                    + self._policy_suffix())
+            return (
+                ("fp32" if self.fp_comm_dtype == "float32" else "bf16") + self._level_suffix() + self._policy_suffix()
+            )
         fp = "F32" if self.fp_comm_dtype == "float32" else "BF16"
         w = f"W{self.weight_bits}" if self.weight_bits is not None else f"W{fp}"
         g = f"G{self.grad_bits}" if self.grad_bits is not None else f"G{fp}"
@@ -497,4 +538,3 @@ class QSDPConfig:
 
 
 _NAME = re.compile(r"(?:(qsdp-sr|qsdp|comm|full)-)?W([1-8]|F32|BF16)G([1-8]|F32|BF16)")
-

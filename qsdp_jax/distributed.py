@@ -127,13 +127,11 @@ class DistributedSettings:
         if self.process_id is not None:
             _check_int("process_id", self.process_id, minimum=0)
             if self.num_processes is not None and self.process_id >= self.num_processes:
-                _fail("process_id", self.process_id,
-                      f"smaller than num_processes={self.num_processes}")
+                _fail("process_id", self.process_id, f"smaller than num_processes={self.num_processes}")
         if self.local_device_ids is not None:
             ids = tuple(self.local_device_ids)
             if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-                _fail("local_device_ids", self.local_device_ids,
-                      "a non-empty sequence of device ids >= 0")
+                _fail("local_device_ids", self.local_device_ids, "a non-empty sequence of device ids >= 0")
             object.__setattr__(self, "local_device_ids", ids)
         for name in ("heartbeat_timeout_s", "shutdown_timeout_s", "init_timeout_s"):
             _check_int(name, getattr(self, name), minimum=1)
@@ -167,8 +165,11 @@ class DistributedSettings:
             process_id=_env_int(env, ENV_PROCESS_ID),
             local_device_ids=_env_ids(env, ENV_LOCAL_DEVICE_IDS),
         )
-        for name, var in (("heartbeat_timeout_s", ENV_HEARTBEAT),
-                          ("shutdown_timeout_s", ENV_SHUTDOWN), ("init_timeout_s", ENV_INIT)):
+        for name, var in (
+            ("heartbeat_timeout_s", ENV_HEARTBEAT),
+            ("shutdown_timeout_s", ENV_SHUTDOWN),
+            ("init_timeout_s", ENV_INIT),
+        ):
             value = _env_int(env, var)
             if value is not None:
                 fields[name] = value
@@ -236,8 +237,7 @@ def resolve(settings: DistributedSettings | None = None) -> DistributedInfo:
     process id) are None. Raises ``ValueError`` for an incomplete setup: several processes
     without a coordinator, or a coordinator without process count / id, outside a cluster."""
     s = settings if settings is not None else DistributedSettings.from_env()
-    explicit = (s.coordinator is not None or (s.num_processes or 1) > 1
-                or (s.process_id or 0) > 0)
+    explicit = s.coordinator is not None or (s.num_processes or 1) > 1 or (s.process_id or 0) > 0
     if not explicit:
         cluster = None if s.num_processes == 1 else detect_cluster(s.cluster_detection)
         if cluster is None:
@@ -251,15 +251,15 @@ def resolve(settings: DistributedSettings | None = None) -> DistributedInfo:
             f"jax.distributed needs a coordinator: num_processes={s.num_processes}, "
             f"process_id={s.process_id} but no coordinator address was given and no cluster "
             f"(SLURM, MPI, TPU) was detected; set {ENV_COORDINATOR}=host:port (process 0's "
-            "address, the same on every process) or pass coordinator=")
+            "address, the same on every process) or pass coordinator="
+        )
     if cluster is None:
-        missing = [v for n, v in ((s.num_processes, ENV_NUM_PROCESSES),
-                                  (s.process_id, ENV_PROCESS_ID)) if n is None]
+        missing = [v for n, v in ((s.num_processes, ENV_NUM_PROCESSES), (s.process_id, ENV_PROCESS_ID)) if n is None]
         raise ValueError(
             f"coordinator={s.coordinator!r} is set but {' and '.join(missing)} is not, and no "
-            "cluster (SLURM, MPI, TPU) was detected to fill it in")
-    return DistributedInfo(cluster, s.num_processes or _cluster_count(cluster), s.process_id,
-                           s.coordinator)
+            "cluster (SLURM, MPI, TPU) was detected to fill it in"
+        )
+    return DistributedInfo(cluster, s.num_processes or _cluster_count(cluster), s.process_id, s.coordinator)
 
 
 def initialize(settings: DistributedSettings | None = None, **kwargs) -> DistributedInfo:
@@ -306,15 +306,15 @@ def initialize(settings: DistributedSettings | None = None, **kwargs) -> Distrib
     if xla_bridge.backends_are_initialized():
         raise RuntimeError(
             "qsdp_jax.distributed.initialize() must run before any other JAX call (jax.devices, "
-            "jnp arrays, jit...): JAX's backends already exist in this process")
+            "jnp arrays, jit...): JAX's backends already exist in this process"
+        )
     known = False
     guard: contextlib.AbstractContextManager = contextlib.nullcontext()
     if plan.coordinator is not None and plan.num_processes is not None and plan.process_id is not None:
         known = True
         if plan.process_id == 0:
             peers.check_port_free(plan.coordinator)  # another process 0 (or program) is there
-        guard = peers.connect_guard(plan.coordinator, plan.process_id, plan.num_processes,
-                                    settings.init_timeout_s)
+        guard = peers.connect_guard(plan.coordinator, plan.process_id, plan.num_processes, settings.init_timeout_s)
     with guard:  # our message before jax's own timeout (a C++ abort that names nothing)
         jax.distributed.initialize(
             coordinator_address=settings.coordinator,
@@ -326,8 +326,9 @@ def initialize(settings: DistributedSettings | None = None, **kwargs) -> Distrib
             heartbeat_timeout_seconds=settings.heartbeat_timeout_s,
             shutdown_timeout_seconds=settings.shutdown_timeout_s,
         )
-    info = _STATE["info"] = DistributedInfo(plan.source, jax.process_count(), jax.process_index(),
-                                            settings.coordinator or plan.coordinator)
+    info = _STATE["info"] = DistributedInfo(
+        plan.source, jax.process_count(), jax.process_index(), settings.coordinator or plan.coordinator
+    )
     return info
 
 
@@ -437,8 +438,7 @@ def enable_process_log(directory: str | os.PathLike, level: int = logging.INFO) 
         if isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path.resolve():
             return path
     handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(
-        f"%(asctime)s p{process_index()} %(levelname)s %(message)s"))
+    handler.setFormatter(logging.Formatter(f"%(asctime)s p{process_index()} %(levelname)s %(message)s"))
     logger.addHandler(handler)
     logger.propagate = False  # the file, not also every process's stderr (a root handler)
     if logger.level == logging.NOTSET or logger.level > level:
@@ -483,5 +483,5 @@ def _env_ids(env: Mapping[str, str], var: str) -> tuple[int, ...] | None:
         return tuple(int(x) for x in raw.split(","))
     except ValueError:
         raise ValueError(
-            f"environment variable {var}={raw!r} is invalid: must be comma-separated device ids "
-            "such as 0,1,2,3") from None
+            f"environment variable {var}={raw!r} is invalid: must be comma-separated device ids such as 0,1,2,3"
+        ) from None

@@ -106,8 +106,10 @@ def init_state(
     return dataclasses.replace(state, model_state=copy(model_state(model, mdef)))
 
 
-_INT_HINT = ("hold integer or boolean arrays in an nnx.Variable that is not an nnx.Param "
-             "(model state, carried by the step), or outside the module")
+_INT_HINT = (
+    "hold integer or boolean arrays in an nnx.Variable that is not an nnx.Param "
+    "(model state, carried by the step), or outside the module"
+)
 
 
 def _param_label(path) -> str:
@@ -206,8 +208,9 @@ class TrainStep:
         group of the module (or shares no layer axis); the mesh's axes do not match the config.
     """
 
-    def __init__(self, model, loss_fn, optimizer, mesh, config, *, has_aux, aux_out_spec, donate,
-                 stacked, mode, evaluate=False):
+    def __init__(
+        self, model, loss_fn, optimizer, mesh, config, *, has_aux, aux_out_spec, donate, stacked, mode, evaluate=False
+    ):
         if not isinstance(config, QSDPConfig):
             raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
         if not callable(loss_fn):
@@ -271,8 +274,15 @@ class TrainStep:
             eval_fn = train.make_eval_step(lambda p, b: self._loss(p, b)[0], self.mesh, self.config)
             return eval_fn(inner, xbatch)
         aux_spec = P(self.config.batch_axes) if self.aux_out_spec is None else self.aux_out_spec
-        fn = train.make_train_step(self._loss, self.optimizer, self.mesh, self.config, has_aux=True,
-                                   aux_out_spec={"aux": aux_spec, "state": P()}, donate=False)
+        fn = train.make_train_step(
+            self._loss,
+            self.optimizer,
+            self.mesh,
+            self.config,
+            has_aux=True,
+            aux_out_spec={"aux": aux_spec, "state": P()},
+            donate=False,
+        )
         new, metrics, aux = fn(inner, xbatch)
         new = dataclasses.replace(new, model_state=aux["state"])
         self._warn_whole()
@@ -322,8 +332,9 @@ class TrainStep:
             held = per_layer * (g.n_layers if (g.stacked and how == "whole") else 1)
             note = ""
             if g.stacked and how == "whole":
-                note = (f"whole stack: {_mib(held)} instead of {_mib(per_layer)} per layer "
-                        "(scan it with qsdp_jax.nnx.scan)")
+                note = (
+                    f"whole stack: {_mib(held)} instead of {_mib(per_layer)} per layer (scan it with qsdp_jax.nnx.scan)"
+                )
             if how != "not read":
                 peak += held
             rows.append(f"{g.name:<16}{g.n_layers:>7}  {how:<11}{_mib(held):>14}  {note}")
@@ -412,8 +423,18 @@ def make_train_step(
       ValueError: an invalid ``mode``; a ``stacked`` name that is not a group of the module; the
         mesh's axes do not match the config's. Calling the step: see :class:`TrainStep`.
     """
-    return TrainStep(model, loss_fn, optimizer, mesh, config, has_aux=has_aux,
-                     aux_out_spec=aux_out_spec, donate=donate, stacked=stacked, mode=mode)
+    return TrainStep(
+        model,
+        loss_fn,
+        optimizer,
+        mesh,
+        config,
+        has_aux=has_aux,
+        aux_out_spec=aux_out_spec,
+        donate=donate,
+        stacked=stacked,
+        mode=mode,
+    )
 
 
 def make_eval_step(
@@ -448,5 +469,16 @@ def make_eval_step(
       TypeError: as for :func:`make_train_step`.
       ValueError: as for :func:`make_train_step`.
     """
-    return TrainStep(model, loss_fn, None, mesh, config, has_aux=False, aux_out_spec=None,
-                     donate=False, stacked=stacked, mode=mode, evaluate=True)
+    return TrainStep(
+        model,
+        loss_fn,
+        None,
+        mesh,
+        config,
+        has_aux=False,
+        aux_out_spec=None,
+        donate=False,
+        stacked=stacked,
+        mode=mode,
+        evaluate=True,
+    )

@@ -46,8 +46,11 @@ arrays in the sharded step, so optax's own clip is exact there."""
 
 def all_finite(tree: PyTree) -> jax.Array:
     """True when every float in ``tree`` is finite (over the global arrays)."""
-    bad = sum(jnp.sum(~jnp.isfinite(x)).astype(jnp.int32)
-              for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact))
+    bad = sum(
+        jnp.sum(~jnp.isfinite(x)).astype(jnp.int32)
+        for x in jax.tree_util.tree_leaves(tree)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    )
     return jnp.asarray(bad, jnp.int32) == 0
 
 
@@ -138,8 +141,13 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
         if projecting:
             inner_updates, scales, offsets = _project_updates(params, inner_updates, state, count, config)
         new_state = QSDPState(
-            count=count, scales=scales, offsets=offsets, inner=inner_state,
-            bits=state.bits, bucket=state.bucket, config=state.config,
+            count=count,
+            scales=scales,
+            offsets=offsets,
+            inner=inner_state,
+            bits=state.bits,
+            bucket=state.bucket,
+            config=state.config,
         )
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         out_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), inner_updates)
@@ -176,7 +184,8 @@ def _project_updates(params, updates, state: QSDPState, count, config: QSDPConfi
 def find_qsdp_state(opt_state: PyTree) -> QSDPState | None:
     """The single :class:`QSDPState` inside ``opt_state`` (also inside ``optax.chain``), or None."""
     found = [
-        x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, QSDPState))
+        x
+        for x in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, QSDPState))
         if isinstance(x, QSDPState)
     ]
     if len(found) > 1:
@@ -196,8 +205,13 @@ def snap_to_grid(params: PyTree, opt_state: PyTree, config: QSDPConfig) -> PyTre
         return params
     treedef: Any  # a PyTreeDef (see _project_updates)
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    out = qgrid.snap(leaves, qgrid.geometries(params, config), treedef.flatten_up_to(st.scales),
-                     treedef.flatten_up_to(st.offsets), config)
+    out = qgrid.snap(
+        leaves,
+        qgrid.geometries(params, config),
+        treedef.flatten_up_to(st.scales),
+        treedef.flatten_up_to(st.offsets),
+        config,
+    )
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -41,9 +41,7 @@ from qsdp_jax._src.policy import Buffer, Slot
 PyTree = Any
 
 
-def make_mesh(
-    axes: str | Mapping[str, int] = "fsdp", devices: Sequence[jax.Device] | None = None
-) -> Mesh:
+def make_mesh(axes: str | Mapping[str, int] = "fsdp", devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh over ``devices`` (default: all devices of all processes).
 
     * ``make_mesh()`` / ``make_mesh("fsdp")``: 1-D on one axis (the simple default).
@@ -296,8 +294,17 @@ class ParamLayout:
         replicated_paths: list[str] = []
         undivided: list[str] = []
         for name in sorted(params):
-            g = _group_layout(name, params[name], name in stacked, num_shards, bucket, min_shard_size,
-                              bit_policy, default_bits, undivided)
+            g = _group_layout(
+                name,
+                params[name],
+                name in stacked,
+                num_shards,
+                bucket,
+                min_shard_size,
+                bit_policy,
+                default_bits,
+                undivided,
+            )
             groups.append(g)
             for x in g.leaves:
                 (sharded_paths if x.sharded else replicated_paths).append(x.path)
@@ -307,7 +314,9 @@ class ParamLayout:
             warnings.warn(
                 f"parameters {undivided} divide over {num_shards} devices on no dimension: they are "
                 "replicated on every device, in full precision (make one of their dimensions a "
-                f"multiple of {num_shards} to shard them)", stacklevel=3)
+                f"multiple of {num_shards} to shard them)",
+                stacklevel=3,
+            )
         return cls(groups=tuple(groups), num_shards=num_shards, bucket=bucket)
 
     def group(self, name: str) -> GroupLayout:
@@ -454,8 +463,7 @@ class ParamLayout:
         Returns:
           The params' structure with a ``NamedSharding`` per leaf.
         """
-        return jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs(axes),
-                            is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs(axes), is_leaf=lambda x: isinstance(x, P))
 
     def table(self) -> str:
         """A readable summary of the layout.
@@ -498,8 +506,9 @@ def leaf_spec(g: GroupLayout, x: LeafLayout, axes) -> P:
     return P(*spec)
 
 
-def _group_layout(name, tree, is_stacked, n, bucket, min_shard_size, bit_policy, default_bits,
-                  undivided) -> GroupLayout:
+def _group_layout(
+    name, tree, is_stacked, n, bucket, min_shard_size, bit_policy, default_bits, undivided
+) -> GroupLayout:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     paths = policy.tree_paths(name, tree)
     n_layers = _layer_count(name, leaves) if is_stacked else 0
@@ -525,8 +534,11 @@ def _group_layout(name, tree, is_stacked, n, bucket, min_shard_size, bit_policy,
             slots.append(Slot(x.index, x.local_shape(n), x.dtype, offset, x.local_size))
             offset += x.buckets * bucket
         index = 0 if bits is None else others.index(bits) + 1  # keys the buffer's gradient noise
-        buffers.append(Buffer(policy.buffer_key(name, bits), name, index, bits, tuple(slots),
-                              offset * n, offset, is_stacked, n_layers))
+        buffers.append(
+            Buffer(
+                policy.buffer_key(name, bits), name, index, bits, tuple(slots), offset * n, offset, is_stacked, n_layers
+            )
+        )
     return GroupLayout(name, is_stacked, n_layers, treedef, tuple(out), tuple(buffers))
 
 

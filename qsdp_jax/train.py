@@ -81,9 +81,7 @@ def _grid_for_step(opt_state, config: QSDPConfig):
         return None
     st = qoptim.find_qsdp_state(opt_state)
     if st is None:
-        raise ValueError(
-            "weight_mode='qsdp' needs the optimizer wrapped with qsdp_jax.optim.qsdp(base, config)"
-        )
+        raise ValueError("weight_mode='qsdp' needs the optimizer wrapped with qsdp_jax.optim.qsdp(base, config)")
     if st.bits != config.weight_bits or st.bucket != config.bucket_size:
         raise ValueError(
             f"the optimizer was built for weight_bits={st.bits}, bucket_size={st.bucket}, but the "
@@ -136,13 +134,14 @@ def init_checked_state(params, optimizer, mesh: Mesh, config: QSDPConfig, stacke
     """:func:`init_train_state` for params a front door has checked already (the NNX one,
     with its own words), so the NaN scan over every parameter runs once."""
     layout = _layout(params, mesh, config, stacked)
-    shard = jax.jit(lambda p: jax.tree.map(jnp.asarray, p),
-                    out_shardings=layout.shardings(mesh, config.shard_axes))
+    shard = jax.jit(lambda p: jax.tree.map(jnp.asarray, p), out_shardings=layout.shardings(mesh, config.shard_axes))
     p = shard(params)
     init = _init_fn(layout, optimizer, mesh, config)
     abstract = jax.eval_shape(init, p)
-    out = (layout.shardings(mesh, config.shard_axes),
-           opt_state_shardings(abstract[1], p, layout, mesh, config.shard_axes))
+    out = (
+        layout.shardings(mesh, config.shard_axes),
+        opt_state_shardings(abstract[1], p, layout, mesh, config.shard_axes),
+    )
     p, opt_state = jax.jit(init, out_shardings=out)(p)
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
     return TrainState(step=step, params=p, opt_state=opt_state, layout=layout)
@@ -184,8 +183,9 @@ def abstract_train_state(
     with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     p = jax.tree.map(with_sharding, jax.eval_shape(lambda x: x, params), shardings)
     _, opt_state = jax.eval_shape(_init_fn(layout, optimizer, mesh, config), p)
-    opt_state = jax.tree.map(with_sharding, opt_state,
-                             opt_state_shardings(opt_state, p, layout, mesh, config.shard_axes))
+    opt_state = jax.tree.map(
+        with_sharding, opt_state, opt_state_shardings(opt_state, p, layout, mesh, config.shard_axes)
+    )
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     # an abstract state: the TrainState pytree with ShapeDtypeStruct leaves (what jax.eval_shape
     # gives), which the field types, written for concrete states, do not cover
@@ -196,8 +196,15 @@ def _layout(params, mesh: Mesh, config: QSDPConfig, stacked: Sequence[str]) -> P
     _check_config(config)
     check_stacked(stacked)
     n, _ = mesh_sizes(mesh, config)
-    layout = ParamLayout.create(params, n, config.bucket_size, config.min_shard_size, stacked,
-                                config.bit_policy, (config.weight_bits, config.grad_bits))
+    layout = ParamLayout.create(
+        params,
+        n,
+        config.bucket_size,
+        config.min_shard_size,
+        stacked,
+        config.bit_policy,
+        (config.weight_bits, config.grad_bits),
+    )
     warn_padding(layout, config)
     return layout
 
@@ -229,8 +236,7 @@ def _local_grads(loss_fn, layout: ParamLayout, config: QSDPConfig, has_aux: bool
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
         leaves, treedef = jax.tree_util.tree_flatten(grads)
         # a sharded leaf's gradient is the sum over devices (the reduce-scatter): to the mean
-        leaves = [g / n_dev if x.sharded else device_mean(g, config)
-                  for g, (_, x) in zip(leaves, layout.leaves())]
+        leaves = [g / n_dev if x.sharded else device_mean(g, config) for g, (_, x) in zip(leaves, layout.leaves())]
         return jax.tree_util.tree_unflatten(treedef, leaves), lax.pmean(loss, config.batch_axes), aux
 
     return local
@@ -296,7 +302,8 @@ def make_train_step(
         grid_arg = () if grid is None else grid
         aux_spec = P(batch_axes) if aux_out_spec is None else aux_out_spec
         body = jax.shard_map(
-            _local_grads(loss_fn, layout, config, has_aux, n_dev), mesh=mesh,
+            _local_grads(loss_fn, layout, config, has_aux, n_dev),
+            mesh=mesh,
             in_specs=(P(), pspecs, _grid_specs(layout, config, grid), jax.tree.map(lambda _: P(batch_axes), batch)),
             out_specs=(pspecs, P(), aux_spec if has_aux else P()),
             check_vma=False,
@@ -330,8 +337,11 @@ def _update(optimizer, config: QSDPConfig, mesh: Mesh, layout: ParamLayout, stat
     new_params = jax.tree.map(keep, new_params, state.params)
     new_opt = jax.tree.map(keep, new_opt, state.opt_state)
     constrain = lambda tree, specs: jax.tree.map(  # noqa: E731  (the state keeps its placement)
-        lambda s, x: lax.with_sharding_constraint(x, NamedSharding(mesh, s)), specs, tree,
-        is_leaf=lambda x: isinstance(x, P))
+        lambda s, x: lax.with_sharding_constraint(x, NamedSharding(mesh, s)),
+        specs,
+        tree,
+        is_leaf=lambda x: isinstance(x, P),
+    )
     new_params = constrain(new_params, layout.specs(axes))
     new_opt = constrain(new_opt, opt_state_specs(new_opt, state.params, layout, axes))
     return new_params, new_opt, finite
@@ -374,10 +384,16 @@ def make_eval_step(
             return lax.pmean(loss, batch_axes)
 
         body = jax.shard_map(
-            local, mesh=mesh,
-            in_specs=(P(), layout.specs(axes), _grid_specs(layout, config, grid),
-                      jax.tree.map(lambda _: P(batch_axes), batch)),
-            out_specs=P(), check_vma=False,
+            local,
+            mesh=mesh,
+            in_specs=(
+                P(),
+                layout.specs(axes),
+                _grid_specs(layout, config, grid),
+                jax.tree.map(lambda _: P(batch_axes), batch),
+            ),
+            out_specs=P(),
+            check_vma=False,
         )
         return body(state.step, state.params, () if grid is None else grid, batch)
 
@@ -391,16 +407,14 @@ def _check_batch(batch, n: int):
     sizes = {x.shape[0] for x in leaves if x.ndim}
     if len(sizes) > 1:
         raise ValueError(
-            f"batch leaves have different leading (batch) sizes {sorted(sizes)}: every leaf must "
-            "hold the same examples"
+            f"batch leaves have different leading (batch) sizes {sorted(sizes)}: every leaf must hold the same examples"
         )
     for x in leaves:
         if x.ndim == 0:
             raise ValueError("every batch leaf needs a leading batch axis; got a scalar")
         if x.shape[0] % n:
             raise ValueError(
-                f"the global batch of {x.shape[0]} examples does not divide over {n} devices: "
-                f"use a multiple of {n}"
+                f"the global batch of {x.shape[0]} examples does not divide over {n} devices: use a multiple of {n}"
             )
 
 

@@ -45,8 +45,10 @@ def save_or_explain(save: Callable[[], bool], state, latest_step: Callable[[], i
     import jax
 
     if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(state)):
-        return (f"Not saved: the last state was donated to the step that cannot finish; the "
-                f"last complete checkpoint is step {latest_step()}")
+        return (
+            f"Not saved: the last state was donated to the step that cannot finish; the "
+            f"last complete checkpoint is step {latest_step()}"
+        )
     save()
     return f"Saved step {int(jax.device_get(state.step))}"
 
@@ -77,9 +79,16 @@ class StepWatchdog:
       ValueError: ``timeout_s`` is not > 0, or ``save_timeout_s`` not >= 0.
     """
 
-    def __init__(self, timeout_s: float = 60.0, *, on_timeout: Callable[[], str] | None = None,
-                 save_timeout_s: float = 10.0, exit_code: int = EXIT_CODE, what: str = "this process",
-                 _exit: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        timeout_s: float = 60.0,
+        *,
+        on_timeout: Callable[[], str] | None = None,
+        save_timeout_s: float = 10.0,
+        exit_code: int = EXIT_CODE,
+        what: str = "this process",
+        _exit: Callable[[int], None] | None = None,
+    ):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} is invalid: must be > 0")
         if not save_timeout_s >= 0:
@@ -144,15 +153,18 @@ class StepWatchdog:
                 try:
                     result.append(on_timeout())
                 except BaseException as e:  # noqa: BLE001 - reported below
-                    result.append(f"The save failed: {type(e).__name__}: {str(e).rstrip('.')}"
-                                  f"{_where(e)}")
+                    result.append(f"The save failed: {type(e).__name__}: {str(e).rstrip('.')}{_where(e)}")
 
             t = threading.Thread(target=attempt, name="qsdp-watchdog-save", daemon=True)
             t.start()
             t.join(self.save_timeout_s)
-            saved = result[0] if result else (
-                f"The save did not finish within {self.save_timeout_s:g} s (the state is sharded "
-                "over the processes: with one gone it cannot be gathered)"
+            saved = (
+                result[0]
+                if result
+                else (
+                    f"The save did not finish within {self.save_timeout_s:g} s (the state is sharded "
+                    "over the processes: with one gone it cannot be gathered)"
+                )
             )
         sys.stderr.write(
             f"\nqsdp_jax watchdog: {self.what} {happened} after step {step}: another process of "

@@ -14,13 +14,35 @@ from experiments.shelf.multiproc import find_free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
-SMALL = ["--d-model", "32", "--n-heads", "2", "--n-layers", "1", "--seq-len", "32", "--batch", "8",
-         "--bucket-size", "64", "--eval-batches", "1", "--data", str(DATA), "--steps", "3",
-         "--no-fp32-ratio", "--quiet", "--simulate-devices", "4"]
+SMALL = [
+    "--d-model",
+    "32",
+    "--n-heads",
+    "2",
+    "--n-layers",
+    "1",
+    "--seq-len",
+    "32",
+    "--batch",
+    "8",
+    "--bucket-size",
+    "64",
+    "--eval-batches",
+    "1",
+    "--data",
+    str(DATA),
+    "--steps",
+    "3",
+    "--no-fp32-ratio",
+    "--quiet",
+    "--simulate-devices",
+    "4",
+]
 
 
-def start_trainers(tmp_path: Path, extra: list[list[str]], *, port: int | None = None,
-                   ids=(0, 1), num_processes: int = 2, env=None) -> list[subprocess.Popen]:
+def start_trainers(
+    tmp_path: Path, extra: list[list[str]], *, port: int | None = None, ids=(0, 1), num_processes: int = 2, env=None
+) -> list[subprocess.Popen]:
     """One trainer process per entry of ``ids`` (its ``--process-id``), with ``extra[k]`` added to
     its flags; stdout+stderr to ``tmp_path/p<k>.log``."""
     port = port or find_free_port()
@@ -29,11 +51,28 @@ def start_trainers(tmp_path: Path, extra: list[list[str]], *, port: int | None =
     procs = []
     for k, (pid, flags) in enumerate(zip(ids, extra)):
         log = open(tmp_path / f"p{k}.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "experiments.gpt.train", *SMALL, "--coordinator",
-             f"127.0.0.1:{port}", "--num-processes", str(num_processes), "--process-id", str(pid),
-             *flags],
-            cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "experiments.gpt.train",
+                    *SMALL,
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    str(num_processes),
+                    "--process-id",
+                    str(pid),
+                    *flags,
+                ],
+                cwd=REPO,
+                env=full_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 

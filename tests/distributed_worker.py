@@ -1,5 +1,6 @@
 """Child process for tests/test_distributed.py: start jax.distributed through
 qsdp_jax.distributed from QSDP_* environment variables, check it, print one JSON line."""
+
 import json
 import sys
 
@@ -7,8 +8,8 @@ from experiments.shelf.multiproc import _pin_gloo_to_loopback
 from qsdp_jax import distributed
 
 _pin_gloo_to_loopback()  # gloo on 127.0.0.1 whatever the hostname resolves to
-info = distributed.initialize()           # from QSDP_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID
-again = distributed.initialize()          # idempotent: same object, nothing restarted
+info = distributed.initialize()  # from QSDP_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID
+again = distributed.initialize()  # idempotent: same object, nothing restarted
 log_path = distributed.enable_process_log(sys.argv[1])
 distributed.main_print("hello from the main process")
 
@@ -19,11 +20,22 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 # a real cross-process collective: every process contributes its id + 1
 summed = multihost_utils.process_allgather(jnp.asarray([jax.process_index() + 1.0]))
-print("@@RESULT@@ " + json.dumps({
-    "source": info.source, "num_processes": info.num_processes, "process_id": info.process_id,
-    "same": again is info, "process_count": jax.process_count(),
-    "device_count": jax.device_count(), "local_device_count": jax.local_device_count(),
-    "gathered": np.asarray(summed).ravel().tolist(), "is_main": distributed.is_main_process(),
-    "log_path": str(log_path),
-}), flush=True)
+print(
+    "@@RESULT@@ "
+    + json.dumps(
+        {
+            "source": info.source,
+            "num_processes": info.num_processes,
+            "process_id": info.process_id,
+            "same": again is info,
+            "process_count": jax.process_count(),
+            "device_count": jax.device_count(),
+            "local_device_count": jax.local_device_count(),
+            "gathered": np.asarray(summed).ravel().tolist(),
+            "is_main": distributed.is_main_process(),
+            "log_path": str(log_path),
+        }
+    ),
+    flush=True,
+)
 distributed.shutdown()

@@ -1,4 +1,5 @@
 """experiments.bench.memory: the compiled step's peak memory per device, next to the ideal."""
+
 import json
 
 from experiments.bench import memory as bm
@@ -6,8 +7,7 @@ from experiments.bench import memory as bm
 
 def test_tiny_fp32_memory_shrinks_with_devices_and_sits_above_the_ideal(tmp_path):
     out = tmp_path / "memory.json"
-    assert bm.main(["--models", "tiny", "--schemes", "fp32", "--devices", "2", "8",
-                    "--out", str(out)]) == 0
+    assert bm.main(["--models", "tiny", "--schemes", "fp32", "--devices", "2", "8", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     two, eight = rec["rows"]
     assert (two["n_devices"], eight["n_devices"]) == (2, 8)
@@ -17,8 +17,7 @@ def test_tiny_fp32_memory_shrinks_with_devices_and_sits_above_the_ideal(tmp_path
     for r in (two, eight):
         assert r["state_bytes"] < r["ideal_1_layer_bytes"] < r["ideal_2_layers_bytes"]
         assert r["peak_bytes"] >= r["ideal_1_layer_bytes"]  # nobody beats holding one layer
-        assert r["peak_bytes"] == (r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"]
-                                   + r["temp_bytes"])
+        assert r["peak_bytes"] == (r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"])
     # tiny: 2 layers of 196608 padded elements + the embedding's 40960, in fp32
     assert two["largest_unit_bytes"] == 196608 * 4
     assert "peak/ideal2" in rec["table"] and "tiny" in rec["table"]

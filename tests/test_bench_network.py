@@ -3,6 +3,7 @@
 In-process pieces run on the 8 simulated devices of the test session; one end-to-end run goes
 through 2 real jax.distributed processes without a namespace (tiny model, 2 timed repeats).
 """
+
 import json
 
 import pytest
@@ -95,13 +96,26 @@ def _fake_proc(pid, medians, nbytes, jitter=0.0):
     for name, m in medians.items():
         samples = [m * (1 - 0.1), m, m * (1 + 0.1) + jitter]
         configs[name] = {
-            "samples_s": samples, "median_s": m, "first_call_s": 5.0, "compile_s": 2.0,
-            "bytes_per_device": nbytes[name], "bytes_per_process": nbytes[name],
-            "bytes_by_kind_dtype": {}, "final_loss": 5.5,
+            "samples_s": samples,
+            "median_s": m,
+            "first_call_s": 5.0,
+            "compile_s": 2.0,
+            "bytes_per_device": nbytes[name],
+            "bytes_per_process": nbytes[name],
+            "bytes_by_kind_dtype": {},
+            "final_loss": 5.5,
         }
-    return {"process_index": pid, "process_count": 2, "device_count": 2, "local_device_count": 1,
-            "model": TINY, "n_params": 1234, "batch_per_process": 4, "global_batch": 8,
-            "configs": configs}
+    return {
+        "process_index": pid,
+        "process_count": 2,
+        "device_count": 2,
+        "local_device_count": 1,
+        "model": TINY,
+        "n_params": 1234,
+        "batch_per_process": 4,
+        "global_batch": 8,
+        "configs": configs,
+    }
 
 
 NBYTES = {"fp32": 20e6, "bf16": 10e6, "qsdp-W8G8": 5e6, "qsdp-W4G4": 2.5e6}
@@ -111,11 +125,17 @@ def _fake_measurements():
     slow = {"fp32": 3.0, "bf16": 1.5, "qsdp-W8G8": 1.0, "qsdp-W4G4": 0.75}
     fast = {"fp32": 0.4, "bf16": 0.4, "qsdp-W8G8": 0.5, "qsdp-W4G4": 0.8}
     return [
-        {"bandwidth_mbit": 100, "netns": "ns1",
-         "processes": [_fake_proc(0, slow, NBYTES), _fake_proc(1, slow, NBYTES, jitter=0.3)]},
+        {
+            "bandwidth_mbit": 100,
+            "netns": "ns1",
+            "processes": [_fake_proc(0, slow, NBYTES), _fake_proc(1, slow, NBYTES, jitter=0.3)],
+        },
         {"bandwidth_mbit": 1000, "error": "WorkerError: boom"},
-        {"bandwidth_mbit": None, "netns": "ns3",
-         "processes": [_fake_proc(0, fast, NBYTES), _fake_proc(1, fast, NBYTES)]},
+        {
+            "bandwidth_mbit": None,
+            "netns": "ns3",
+            "processes": [_fake_proc(0, fast, NBYTES), _fake_proc(1, fast, NBYTES)],
+        },
     ]
 
 
@@ -166,8 +186,9 @@ def test_assemble_results_speedups_and_schema():
 
 def test_targets_not_met_and_unshaped_only():
     ms = _fake_measurements()
-    ms[0]["processes"] = [_fake_proc(p, {"fp32": 1.0, "bf16": 0.8, "qsdp-W8G8": 0.6, "qsdp-W4G4": 0.5}, NBYTES)
-                          for p in (0, 1)]
+    ms[0]["processes"] = [
+        _fake_proc(p, {"fp32": 1.0, "bf16": 0.8, "qsdp-W8G8": 0.6, "qsdp-W4G4": 0.5}, NBYTES) for p in (0, 1)
+    ]
     t = nr.evaluate_targets(nr.assemble_results(ms)["bandwidths"])
     assert t["checks"]["qsdp-W8G8"]["met"] is False and t["checks"]["qsdp-W4G4"]["met"] is False
     assert t["all_met"] is False
@@ -211,8 +232,15 @@ def test_cli_rejects_bad_bandwidth(capsys):
     assert "bandwidth" in capsys.readouterr().err
 
 
-_ENV_SIGNS = ("Address already in use", "Failed to add port", "gloo", "Connection refused",
-              "UNAVAILABLE", "DEADLINE_EXCEEDED", "Operation not permitted")
+_ENV_SIGNS = (
+    "Address already in use",
+    "Failed to add port",
+    "gloo",
+    "Connection refused",
+    "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "Operation not permitted",
+)
 
 
 @pytest.mark.slow
@@ -235,11 +263,33 @@ def test_end_to_end_two_processes_no_netns(tmp_path, monkeypatch, capsys):
     # Three of the four configs (bf16 is the same code path; the workload test builds all four):
     # each process compiles every config it is given, which is most of this test's time.
     configs = ["fp32", "qsdp-W8G8", "qsdp-W4G4"]
-    argv = ["--no-netns", "--bandwidths", "100", "none", "--configs", *configs, "--out", str(out),
-            "--d-model", str(TINY["d_model"]), "--n-layers", str(TINY["n_layers"]),
-            "--n-heads", str(TINY["n_heads"]), "--seq-len", str(TINY["seq_len"]),
-            "--batch-per-process", "2", "--repeats", "2", "--warmup", "1", "--timeout", "240",
-            "--fast-compile"]
+    argv = [
+        "--no-netns",
+        "--bandwidths",
+        "100",
+        "none",
+        "--configs",
+        *configs,
+        "--out",
+        str(out),
+        "--d-model",
+        str(TINY["d_model"]),
+        "--n-layers",
+        str(TINY["n_layers"]),
+        "--n-heads",
+        str(TINY["n_heads"]),
+        "--seq-len",
+        str(TINY["seq_len"]),
+        "--batch-per-process",
+        "2",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--timeout",
+        "240",
+        "--fast-compile",
+    ]
     rc = bn.main(argv)
     if rc != 0 and errors:
         e = errors[0]

@@ -38,12 +38,19 @@ def netns_ok():
 
 
 def _send_time(src_ns: str, dst_ns: str, addr: str) -> float:
-    srv = subprocess.Popen(["ip", "netns", "exec", dst_ns, sys.executable, "-c", _SEND, "serve",
-                            str(MB2), addr], stdout=subprocess.PIPE, text=True)
+    srv = subprocess.Popen(
+        ["ip", "netns", "exec", dst_ns, sys.executable, "-c", _SEND, "serve", str(MB2), addr],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert srv.stdout.readline().strip() == "ready"
-        out = subprocess.run(["ip", "netns", "exec", src_ns, sys.executable, "-c", _SEND, "send",
-                              str(MB2), addr], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["ip", "netns", "exec", src_ns, sys.executable, "-c", _SEND, "send", str(MB2), addr],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return float(out.stdout.strip())
     finally:
         srv.wait(timeout=60)
@@ -66,23 +73,33 @@ def test_run_processes_one_namespace_per_process(netns_ok):
     addrs = [HOST_ADDR.format(i + 1) for i in range(2)]
     env = {"QSDP_COORDINATOR_HOST": addrs[0], "QSDP_GLOO_HOSTS": ",".join(addrs)}
     with veth_namespaces(2, rate_mbit=None) as hosts:
-        res = run_processes("experiments.bench.allgather_probe", "allgather_probe", 2,
-                            {"num_bytes": 1 << 20, "repeats": 2}, netns=hosts, extra_env=env,
-                            timeout_s=120)
+        res = run_processes(
+            "experiments.bench.allgather_probe",
+            "allgather_probe",
+            2,
+            {"num_bytes": 1 << 20, "repeats": 2},
+            netns=hosts,
+            extra_env=env,
+            timeout_s=120,
+        )
     assert [r["process_index"] for r in res] == [0, 1] and all(r["correct"] for r in res)
     with pytest.raises(ValueError, match="2 namespaces for 3 processes"):
         run_processes("experiments.bench.allgather_probe", "allgather_probe", 3, {}, netns=["a", "b"])
 
 
 def test_targets_and_table():
-    axis = {"fp32": {"local": 10e6, "node": 7e6, "node+local": 0.0},
-            "qsdp-W4G8-xG4": {"local": 2e6, "node": 0.9e6, "node+local": 0.0}}
+    axis = {
+        "fp32": {"local": 10e6, "node": 7e6, "node+local": 0.0},
+        "qsdp-W4G8-xG4": {"local": 2e6, "node": 0.9e6, "node+local": 0.0},
+    }
     assert bt.inter_node_bytes(axis["fp32"]) == 7e6
     conf = lambda t, s: {"median_s": t, "iqr_s": 0.0, "n": 3, "speedup_vs_fp32": s}  # noqa: E731
-    doc = {"bandwidths": [
-        {"bandwidth_mbit": 100, "configs": {"fp32": conf(4.0, 1.0), "qsdp-W4G8-xG4": conf(1.0, 4.0)}},
-        {"bandwidth_mbit": None, "configs": {"fp32": conf(1.0, 1.0), "qsdp-W4G8-xG4": conf(0.9, 1.1)}},
-    ]}
+    doc = {
+        "bandwidths": [
+            {"bandwidth_mbit": 100, "configs": {"fp32": conf(4.0, 1.0), "qsdp-W4G8-xG4": conf(1.0, 4.0)}},
+            {"bandwidth_mbit": None, "configs": {"fp32": conf(1.0, 1.0), "qsdp-W4G8-xG4": conf(0.9, 1.1)}},
+        ]
+    }
     t = bt.evaluate(doc, axis)
     assert t["speedup"]["met"] is True and t["speedup"]["bandwidth_mbit"] == 100
     assert t["inter_node_bytes"]["met"] is True and abs(t["inter_node_bytes"]["ratio"] - 0.9 / 7) < 1e-12

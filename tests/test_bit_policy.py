@@ -38,17 +38,26 @@ def _setup(mesh, config, opt=None, loss=toymodel.loss, **kw):
 
 
 # --- config --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw, match", [
-    (dict(bit_policy="embed*=8,8"), r"QSDPConfig\.bit_policy='embed\*=8,8' is invalid: must be a tuple"),
-    (dict(bit_policy=(("embed*", 8),)), r"bit_policy\[0\]=\('embed\*', 8\) is invalid: must be a rule"),
-    (dict(bit_policy=(("", 8, 8),)), r"bit_policy\[0\].*non-empty string"),
-    (dict(bit_policy=(("a*", 9, 8),)), r"bit_policy\[0\]=\('a\*', 9, 8\).*weight_bits is None or an integer in 1\.\.8"),
-    (dict(bit_policy=(("a*", 8, 0),)), r"grad_bits is None or an integer in 1\.\.8"),
-    (dict(bit_policy=(("a*", 8, 8), ("a*", 4, 4))), r"bit_policy\[1\].*could never apply"),
-    (dict(weight_mode="full", weight_bits=None, bit_policy=(("a*", 8, 8),)), r"weight_bits None when weight_mode='full'"),
-    (dict(fp_comm_dtype="bfloat16", bit_policy=(("a*", None, 8),)), r"bit_policy\[0\].*lossless only in 'float32'"),
-    (dict(weight_rounding="shift", bit_policy=(("a*", 1, 8),)), r"bit_policy\[0\].*weight_bits 2\.\.8"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(bit_policy="embed*=8,8"), r"QSDPConfig\.bit_policy='embed\*=8,8' is invalid: must be a tuple"),
+        (dict(bit_policy=(("embed*", 8),)), r"bit_policy\[0\]=\('embed\*', 8\) is invalid: must be a rule"),
+        (dict(bit_policy=(("", 8, 8),)), r"bit_policy\[0\].*non-empty string"),
+        (
+            dict(bit_policy=(("a*", 9, 8),)),
+            r"bit_policy\[0\]=\('a\*', 9, 8\).*weight_bits is None or an integer in 1\.\.8",
+        ),
+        (dict(bit_policy=(("a*", 8, 0),)), r"grad_bits is None or an integer in 1\.\.8"),
+        (dict(bit_policy=(("a*", 8, 8), ("a*", 4, 4))), r"bit_policy\[1\].*could never apply"),
+        (
+            dict(weight_mode="full", weight_bits=None, bit_policy=(("a*", 8, 8),)),
+            r"weight_bits None when weight_mode='full'",
+        ),
+        (dict(fp_comm_dtype="bfloat16", bit_policy=(("a*", None, 8),)), r"bit_policy\[0\].*lossless only in 'float32'"),
+        (dict(weight_rounding="shift", bit_policy=(("a*", 1, 8),)), r"bit_policy\[0\].*weight_bits 2\.\.8"),
+    ],
+)
 def test_config_refuses_bad_policies_naming_the_rule(kw, match):
     with pytest.raises(ValueError, match=match):
         q.QSDPConfig(**{**SMALL, **kw})
@@ -96,15 +105,21 @@ def test_policy_splits_groups_into_buffers_and_round_trips():
     params = toymodel.init(0)
     lay = ParamLayout.create(params, N, BUCKET, 128, toymodel.STACKED, POLICY, (4, 4))
     assert [(b.key, b.bits, b.index) for b in lay.buffers] == [
-        ("blocks", None, 0), ("embed@W8G8", (8, 8), 1), ("head@WFGF", (None, None), 1)]
+        ("blocks", None, 0),
+        ("embed@W8G8", (8, 8), 1),
+        ("head@WFGF", (None, None), 1),
+    ]
     assert [b.key for b in lay.group("embed").buffers] == ["embed@W8G8"] and lay.group("embed").is_sharded
     assert lay.weight_bits(q.QSDPConfig.qsdp(4, 4, bit_policy=POLICY, **SMALL)) == [None, 4, None, 8, None]
 
 
 def test_a_rule_that_matches_no_sharded_leaf_is_an_error(mesh):
     params = toymodel.init(0)
-    with pytest.raises(ValueError, match=r"bit_policy\[1\]=\('emb\*/kernel', 8, 8\) matches no sharded "
-                       r"leaf: it matches no leaf.*sharded leaves are: blocks/w, embed/w, head/w"):
+    with pytest.raises(
+        ValueError,
+        match=r"bit_policy\[1\]=\('emb\*/kernel', 8, 8\) matches no sharded "
+        r"leaf: it matches no leaf.*sharded leaves are: blocks/w, embed/w, head/w",
+    ):
         ParamLayout.create(params, N, BUCKET, 128, toymodel.STACKED, (("head*", 8, 8), ("emb*/kernel", 8, 8)), (4, 4))
     cfg = q.QSDPConfig(**SMALL, bit_policy=(("embed/b", 4, 4),))  # the bias is replicated
     with pytest.raises(ValueError, match=r"matches only replicated leaves \['embed/b'\].*counts as matching nothing"):
@@ -129,8 +144,9 @@ def test_gather_is_lossless_per_buffer(mesh, rounding):
         assert int(metrics["nonfinite"]) == 0
         for dev in range(N):
             for name in ("embed", "head", "blocks"):
-                np.testing.assert_array_equal(np.asarray(aux[name][dev]).view(np.uint32),
-                                              np.asarray(held[name]["w"]).view(np.uint32))
+                np.testing.assert_array_equal(
+                    np.asarray(aux[name][dev]).view(np.uint32), np.asarray(held[name]["w"]).view(np.uint32)
+                )
     p = state.params  # each device's block of these leaves is whole rows of buckets
     assert _unique_per_bucket(p["blocks"]["w"]) <= 16
     assert 16 < _unique_per_bucket(p["embed"]["w"]) <= 256
@@ -183,14 +199,15 @@ def test_gradient_reduce_scatter_is_unbiased_per_buffer(mesh):
     exact_cfg = q.QSDPConfig.fp32(**SMALL)
     opt = optim.qsdp(optax.sgd(1.0), cfg)
     state = q.init_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
-    exact_state = q.init_train_state(toymodel.init(0), optim.qsdp(optax.sgd(1.0), exact_cfg), mesh, exact_cfg,
-                                     stacked=toymodel.STACKED)
+    exact_state = q.init_train_state(
+        toymodel.init(0), optim.qsdp(optax.sgd(1.0), exact_cfg), mesh, exact_cfg, stacked=toymodel.STACKED
+    )
     (exact,) = _sgd_grads(mesh, exact_cfg, exact_state, [0])
     draws = _sgd_grads(mesh, cfg, state, range(64))
     rel = {}
     for key, ref in (("blocks", exact["blocks"]), ("embed", exact["embed"])):
         d = np.stack([x[key] for x in draws])
-        rms = lambda e: np.sqrt(np.mean(e ** 2))  # noqa: E731
+        rms = lambda e: np.sqrt(np.mean(e**2))  # noqa: E731
         ratio = rms(d[:4].mean(0) - ref) / rms(d.mean(0) - ref)  # 4 for an unbiased estimator
         assert 2.0 < ratio < 8.0, (key, ratio)
         rel[key] = rms(d[0] - ref) / rms(ref)
@@ -214,21 +231,26 @@ def test_resume_is_bit_exact_with_a_policy(mesh, tmp_path):
         fresh = q.init_train_state(toymodel.init(1), opt, mesh, cfg, stacked=toymodel.STACKED)
         restored, _ = ckpt.restore(fresh, cfg, mesh)
         other = dataclasses.replace(cfg, bit_policy=(("embed*", 6, 6),))
-        other_state = q.init_train_state(toymodel.init(0), optim.qsdp(optax.adam(1e-2), other), mesh, other,
-                                         stacked=toymodel.STACKED)
+        other_state = q.init_train_state(
+            toymodel.init(0), optim.qsdp(optax.adam(1e-2), other), mesh, other, stacked=toymodel.STACKED
+        )
         with pytest.raises(CheckpointMismatch, match=r"config\.bit_policy"):
             ckpt.restore(other_state, other, mesh)
         mesh4 = q.make_mesh(devices=jax.devices()[:4])  # and resharded onto 4 devices
-        on4, _ = ckpt.restore(q.init_train_state(toymodel.init(1), opt, mesh4, cfg, stacked=toymodel.STACKED),
-                              cfg, mesh4)
+        on4, _ = ckpt.restore(
+            q.init_train_state(toymodel.init(1), opt, mesh4, cfg, stacked=toymodel.STACKED), cfg, mesh4
+        )
     for a, b in zip(jax.tree.leaves(q.gather_params(on4)), jax.tree.leaves(q.gather_params(half)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     resumed = restored
     for i in (2, 3):
         resumed, m = step(resumed, toymodel.batch(i))
         assert float(m["loss"]) == losses[i]
-    for a, b in zip(jax.tree.leaves((resumed.params, resumed.opt_state)),
-                    jax.tree.leaves((straight.params, straight.opt_state)), strict=True):
+    for a, b in zip(
+        jax.tree.leaves((resumed.params, resumed.opt_state)),
+        jax.tree.leaves((straight.params, straight.opt_state)),
+        strict=True,
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -252,9 +274,21 @@ def test_summaries_show_the_bits():
     assert "embed@" not in ParamLayout.create(toymodel.init(0), N, BUCKET, 128, toymodel.STACKED).table()
     from experiments.gpt.report import summary_text
 
-    summary = dict(name="x", n_params=1, n_devices=8, steps=1, train_loss=1.0, val_loss=1.0, tokens_per_s=1.0,
-                   setup_s=0.0, wall_s=0.0, wire_bytes_per_step=1.0, nonfinite_steps=0, out_dir="o",
-                   bit_policy={"rules": "embed*=8,8", "table": lay.bits_table(cfg)})
+    summary = dict(
+        name="x",
+        n_params=1,
+        n_devices=8,
+        steps=1,
+        train_loss=1.0,
+        val_loss=1.0,
+        tokens_per_s=1.0,
+        setup_s=0.0,
+        wall_s=0.0,
+        wire_bytes_per_step=1.0,
+        nonfinite_steps=0,
+        out_dir="o",
+        bit_policy={"rules": "embed*=8,8", "table": lay.bits_table(cfg)},
+    )
     assert "bit policy     embed*=8,8" in summary_text(summary, None) and "embed@W8G8" in summary_text(summary, None)
 
 
@@ -266,9 +300,12 @@ def test_trainer_flag_parses_and_errors_clearly():
     args = parse_args(["--bit-policy", "embed*=8,8; blocks/*/kernel=4,none", "--weight-bits", "3"])
     assert qsdp_kwargs(args)["bit_policy"] == (("embed*", 8, 8), ("blocks/*/kernel", 4, None))
     assert qsdp_kwargs(parse_args([]))["bit_policy"] == ()
-    for bad, msg in (("embed*=9,8", "expected an integer 1..8 or 'none', got 9"),
-                     ("embed*", "expected PATTERN=WEIGHT_BITS,GRAD_BITS"),
-                     ("=8,8", "expected PATTERN=WEIGHT_BITS,GRAD_BITS"), (";", "no rule")):
+    for bad, msg in (
+        ("embed*=9,8", "expected an integer 1..8 or 'none', got 9"),
+        ("embed*", "expected PATTERN=WEIGHT_BITS,GRAD_BITS"),
+        ("=8,8", "expected PATTERN=WEIGHT_BITS,GRAD_BITS"),
+        (";", "no rule"),
+    ):
         with pytest.raises(SystemExit):
             parse_args(["--bit-policy", bad])
         with pytest.raises(Exception, match=msg.replace(".", r"\.").replace("*", r"\*")):
@@ -319,8 +356,9 @@ def test_two_level_mesh_with_a_policy():
     """On a (node, local) mesh a policy buffer's gather is lossless on all 8 devices (its bits on
     both levels) and the step lowers for TPU with packed collectives."""
     hmesh = q.make_mesh({"node": 2, "local": 4})
-    cfg = q.QSDPConfig.qsdp(4, 4, inter_grad_bits=2, axis_name="local", node_axis="node",
-                            bit_policy=POLICY, **SR, **SMALL)
+    cfg = q.QSDPConfig.qsdp(
+        4, 4, inter_grad_bits=2, axis_name="local", node_axis="node", bit_policy=POLICY, **SR, **SMALL
+    )
     opt = optim.qsdp(optax.adam(1e-2), cfg)
     state = q.init_train_state(toymodel.init(0), opt, hmesh, cfg, stacked=toymodel.STACKED)
     step = q.make_train_step(toymodel.loss_with_weights, opt, hmesh, cfg, has_aux=True, donate=False)
@@ -329,8 +367,9 @@ def test_two_level_mesh_with_a_policy():
         state, _, aux = step(state, toymodel.batch(i))
         for dev in range(N):
             for name in ("embed", "head", "blocks"):
-                np.testing.assert_array_equal(np.asarray(aux[name][dev]).view(np.uint32),
-                                              np.asarray(held[name]["w"]).view(np.uint32))
+                np.testing.assert_array_equal(
+                    np.asarray(aux[name][dev]).view(np.uint32), np.asarray(held[name]["w"]).view(np.uint32)
+                )
     abstract = q.abstract_train_state(toymodel.init(0), opt, hmesh, cfg, stacked=toymodel.STACKED)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), toymodel.batch(0))
     module = jax.export.export(step, platforms=["tpu"])(abstract, batch).mlir_module()

@@ -25,16 +25,42 @@ def _launch(out: Path, tag: str) -> list[subprocess.Popen]:
     port = find_free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(REPO)
-    env.update(JAX_COMPILATION_CACHE_DIR=str(out.parent / "jax-cache"),  # the restart reuses it
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.update(
+        JAX_COMPILATION_CACHE_DIR=str(out.parent / "jax-cache"),  # the restart reuses it
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
     procs = []
     for i in range(2):
         log = open(out.parent / f"{tag}-{i}.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "experiments.shelf.failure_workload", "--process-id", str(i),
-             "--port", str(port), "--out", str(out), "--steps", str(STEPS), "--every", "5",
-             "--bound", str(BOUND), "--save-timeout", str(SAVE_TIMEOUT)],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "experiments.shelf.failure_workload",
+                    "--process-id",
+                    str(i),
+                    "--port",
+                    str(port),
+                    "--out",
+                    str(out),
+                    "--steps",
+                    str(STEPS),
+                    "--every",
+                    "5",
+                    "--bound",
+                    str(BOUND),
+                    "--save-timeout",
+                    str(SAVE_TIMEOUT),
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -43,8 +69,9 @@ def _log(out: Path, tag: str, i: int) -> str:
 
 
 def _steps(text: str) -> dict[int, float]:
-    return {int(w[1]): float(w[2]) for w in (line.split() for line in text.splitlines())
-            if len(w) == 3 and w[0] == "STEP"}
+    return {
+        int(w[1]): float(w[2]) for w in (line.split() for line in text.splitlines()) if len(w) == 3 and w[0] == "STEP"
+    }
 
 
 @pytest.mark.slow
@@ -66,8 +93,10 @@ def test_peer_killed_survivor_exits_within_bound_and_run_resumes(tmp_path):
     assert waited < BOUND + SAVE_TIMEOUT + 10, waited  # the bound, plus step and save allowance
     # either the collective failed at once (gloo saw the connection drop) or no step finished
     # within the bound (the collective blocked): both say so
-    assert ("watchdog: process 0 of 2 finished no train step for 8 s" in text
-            or "watchdog: process 0 of 2 a collective failed (JaxRuntimeError" in text), text[-3000:]
+    assert (
+        "watchdog: process 0 of 2 finished no train step for 8 s" in text
+        or "watchdog: process 0 of 2 a collective failed (JaxRuntimeError" in text
+    ), text[-3000:]
     assert "another process of the run most likely died or froze" in text
     assert "restart the run to resume" in text
     done_before = max(_steps(text))
@@ -116,8 +145,9 @@ def test_peer_frozen_survivor_exits_within_bound(tmp_path):
 
 def test_watchdog_fires_once_and_tries_to_save():
     exits, calls = [], []
-    dog = StepWatchdog(0.3, on_timeout=lambda: calls.append(1) or "saved step 7",
-                       save_timeout_s=1.0, _exit=exits.append, what="test")
+    dog = StepWatchdog(
+        0.3, on_timeout=lambda: calls.append(1) or "saved step 7", save_timeout_s=1.0, _exit=exits.append, what="test"
+    )
     time.sleep(0.5)
     assert exits == []  # not armed before the first beat
     dog.beat(7)

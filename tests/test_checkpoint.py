@@ -41,8 +41,10 @@ def _run(step, state, start, stop):
 
 
 def _bits(tree):
-    return [np.asarray(x).view(np.uint32) if np.asarray(x).dtype == np.float32 else np.asarray(x)
-            for x in jax.tree.leaves(tree)]
+    return [
+        np.asarray(x).view(np.uint32) if np.asarray(x).dtype == np.float32 else np.asarray(x)
+        for x in jax.tree.leaves(tree)
+    ]
 
 
 def _assert_bitwise(a, b):
@@ -153,8 +155,9 @@ def test_restore_refuses_another_model_or_run(tmp_path):
             ckpt.restore(wider, config, mesh, identity={"lr": 0.01})
         with pytest.raises(CheckpointMismatch, match=r"identity\.lr is 0\.01 in the checkpoint but 0\.02"):
             ckpt.restore(state, config, mesh, identity={"lr": 0.02})
-        plain = q.init_train_state(toymodel.init(0), optim.qsdp(optax.adam(1e-2), config), mesh, config,
-                                   stacked=toymodel.STACKED)
+        plain = q.init_train_state(
+            toymodel.init(0), optim.qsdp(optax.adam(1e-2), config), mesh, config, stacked=toymodel.STACKED
+        )
         with pytest.raises(CheckpointMismatch, match="another state structure"):
             ckpt.restore(plain, config, mesh, identity={"lr": 0.01})
 
@@ -171,6 +174,7 @@ def test_half_written_checkpoint_is_never_picked_up(tmp_path):
         ckpt.save(later, config, mesh)
     # make step 1 look half-written: orbax's temporary name, as during a save
     import shutil
+
     shutil.move(tmp_path / "1", tmp_path / "1.orbax-checkpoint-tmp-123")
     with Checkpointer(tmp_path) as ckpt:
         assert ckpt.latest_step() == 0
@@ -202,8 +206,10 @@ def test_reshard_onto_2d_meshes_and_back(tmp_path):
     _, losses = _run(step8, half, K, 2 * K)
     with Checkpointer(tmp_path / "a", async_save=False) as ckpt:
         ckpt.save(half, config, mesh8)
-        for axes, placement in [({"node": 2, "local": 4}, dict(axis_name="local", node_axis="node")),
-                                ({"replica": 2, "fsdp": 4}, dict(replica_axis="replica"))]:
+        for axes, placement in [
+            ({"node": 2, "local": 4}, dict(axis_name="local", node_axis="node")),
+            ({"replica": 2, "fsdp": 4}, dict(replica_axis="replica")),
+        ]:
             cfg2, mesh2, fresh, step2 = _setup_2d(axes, **placement)
             on2, _ = ckpt.restore(fresh, cfg2, mesh2)
             g8, g2 = _global_opt(half, mesh8), _global_opt(on2, mesh2)

@@ -48,10 +48,14 @@ SCRIPT = textwrap.dedent("""
 
 
 def _python(code: str, *args) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_a_script_ending_right_after_save_keeps_its_checkpoint(tmp_path):
@@ -81,7 +85,7 @@ def _two_steps(tmp_path):
 def _flip_bytes(path: Path, n: int = 64) -> None:
     data = bytearray(path.read_bytes())
     mid = len(data) // 2
-    data[mid:mid + n] = bytes(b ^ 0xFF for b in data[mid:mid + n])
+    data[mid : mid + n] = bytes(b ^ 0xFF for b in data[mid : mid + n])
     path.write_bytes(bytes(data))
 
 
@@ -150,9 +154,18 @@ def test_a_killed_writer_leaves_no_stale_lock(tmp_path):
     from qsdp_jax._src.checkpoint_safety import WriterLock
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from qsdp_jax._src.checkpoint_safety import WriterLock;"
-         "WriterLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)", str(tmp_path)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from qsdp_jax._src.checkpoint_safety import WriterLock;"
+            "WriterLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(CheckpointLocked, match=f"pid {holder.pid}"):
         WriterLock(tmp_path).acquire()
@@ -166,8 +179,9 @@ def test_a_killed_writer_leaves_no_stale_lock(tmp_path):
 
 def _mount_tmpfs(path: Path, options: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "none", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "none", str(path)], capture_output=True).returncode == 0
+    )
 
 
 def _disk(path: Path, size: str):
@@ -215,17 +229,54 @@ def test_full_disk_fails_loudly_at_exit(mounts):
     assert "did not complete at exit" in done.stderr and "No space left" in done.stderr
 
 
-TRAINER_ARGS = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--seq-len", "16", "--batch", "4",
-                "--bucket-size", "64", "--min-shard-size", "256", "--eval-batches", "1",
-                "--data", str(REPO / "tests" / "testdata" / "shakespeare_small.txt"), "--lr", "1e-2",
-                "--warmup", "1", "--no-fp32-ratio", "--quiet", "--steps", "6", "--eval-every", "6",
-                "--devices", "2", "--checkpoint-every", "2", "--keep", "3"]
+TRAINER_ARGS = [
+    "--d-model",
+    "16",
+    "--n-heads",
+    "2",
+    "--n-layers",
+    "1",
+    "--seq-len",
+    "16",
+    "--batch",
+    "4",
+    "--bucket-size",
+    "64",
+    "--min-shard-size",
+    "256",
+    "--eval-batches",
+    "1",
+    "--data",
+    str(REPO / "tests" / "testdata" / "shakespeare_small.txt"),
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "1",
+    "--no-fp32-ratio",
+    "--quiet",
+    "--steps",
+    "6",
+    "--eval-every",
+    "6",
+    "--devices",
+    "2",
+    "--checkpoint-every",
+    "2",
+    "--keep",
+    "3",
+]
 
 
 def _trainer(out: Path, *extra) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "experiments.gpt.train", *TRAINER_ARGS, "--out", str(out), *extra],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.gpt.train", *TRAINER_ARGS, "--out", str(out), *extra],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow

@@ -13,20 +13,23 @@ from experiments.gpt.files import dumps_strict
 from experiments.gpt.run_files import MetricsLog
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--failure-timeout", "0"], "argument --failure-timeout: expected a number of seconds > 0, got '0'"),
-    (["--failure-timeout", "-3"], "argument --failure-timeout: expected a number of seconds > 0"),
-    (["--failure-timeout", "nan"], "argument --failure-timeout: expected a number of seconds > 0"),
-    (["--lr", "-0.001"], "argument --lr: expected a finite number > 0, got '-0.001'"),
-    (["--lr", "inf"], "argument --lr: expected a finite number > 0"),
-    (["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
-    (["--seed", "-5"], "argument --seed: expected an integer >= 0, got -5"),
-    (["--seed", str(2**32)], "argument --seed: expected an integer in [0, 2**32)"),
-    (["--min-shard-size", "-1"], "argument --min-shard-size: expected an integer >= 0"),
-    (["--process-id", "-1"], "argument --process-id: expected an integer >= 0"),
-    (["--init-timeout", "0"], "argument --init-timeout: expected a positive integer, got 0"),
-    (["--peer-timeout", "-2"], "argument --peer-timeout: expected a finite number > 0"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--failure-timeout", "0"], "argument --failure-timeout: expected a number of seconds > 0, got '0'"),
+        (["--failure-timeout", "-3"], "argument --failure-timeout: expected a number of seconds > 0"),
+        (["--failure-timeout", "nan"], "argument --failure-timeout: expected a number of seconds > 0"),
+        (["--lr", "-0.001"], "argument --lr: expected a finite number > 0, got '-0.001'"),
+        (["--lr", "inf"], "argument --lr: expected a finite number > 0"),
+        (["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
+        (["--seed", "-5"], "argument --seed: expected an integer >= 0, got -5"),
+        (["--seed", str(2**32)], "argument --seed: expected an integer in [0, 2**32)"),
+        (["--min-shard-size", "-1"], "argument --min-shard-size: expected an integer >= 0"),
+        (["--process-id", "-1"], "argument --process-id: expected an integer >= 0"),
+        (["--init-timeout", "0"], "argument --init-timeout: expected a positive integer, got 0"),
+        (["--peer-timeout", "-2"], "argument --peer-timeout: expected a finite number > 0"),
+    ],
+)
 def test_out_of_range_flags_are_usage_errors(flags, message, capsys, tmp_path):
     """Refused by the parser (exit 2, message naming the flag and what it accepts) before jax
     starts or anything is written; --failure-timeout 0 used to turn the watchdog off silently,
@@ -50,9 +53,10 @@ def test_metrics_lines_are_strict_json_and_read_back(tmp_path):
     parses as strict JSON; a resumed run reads the floats back."""
     path = tmp_path / "metrics.jsonl"
     log = MetricsLog(path)
-    rows = [{"step": 1, "loss": 5.5, "grad_norm": 1.0, "nonfinite": 0, "seconds": 0.1, "val_loss": None},
-            {"step": 2, "loss": math.nan, "grad_norm": math.inf, "nonfinite": 1, "seconds": 0.1,
-             "val_loss": -math.inf}]
+    rows = [
+        {"step": 1, "loss": 5.5, "grad_norm": 1.0, "nonfinite": 0, "seconds": 0.1, "val_loss": None},
+        {"step": 2, "loss": math.nan, "grad_norm": math.inf, "nonfinite": 1, "seconds": 0.1, "val_loss": -math.inf},
+    ]
     for r in rows:
         log.append(r)
     log.close()

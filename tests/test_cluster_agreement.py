@@ -11,9 +11,10 @@ from tests.cluster_procs import start_trainers, wait_all
 
 def test_different_settings_stop_every_process_naming_them(tmp_path):
     out = tmp_path / "run"
-    procs = start_trainers(tmp_path, [
-        ["--out", str(out), "--lr", "3e-3"],
-        ["--out", str(out), "--lr", "1e-2", "--seed", "1", "--weight-bits", "4"]])
+    procs = start_trainers(
+        tmp_path,
+        [["--out", str(out), "--lr", "3e-3"], ["--out", str(out), "--lr", "1e-2", "--seed", "1", "--weight-bits", "4"]],
+    )
     t0 = time.monotonic()
     codes = wait_all(procs, 60)
     took = time.monotonic() - t0

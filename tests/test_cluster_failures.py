@@ -22,18 +22,22 @@ def _start_watched(tmp_path, flags=()):
     procs = start_trainers(tmp_path, [argv, argv])
 
     def watching():
-        return all(f.exists() and WATCHING.format(i) in f.read_text()
-                   for i, f in enumerate(logs / f"process_00{i}.log" for i in range(2)))
+        return all(
+            f.exists() and WATCHING.format(i) in f.read_text()
+            for i, f in enumerate(logs / f"process_00{i}.log" for i in range(2))
+        )
 
     wait_for(watching, 60, procs)
     return procs
 
 
-@pytest.mark.parametrize("victim, sig, message, bound", [
-    (0, signal.SIGKILL, "process 1 of 2 stops: process 0 of 2 (the coordinator) died or was "
-     "killed", 5.0),
-    (1, signal.SIGSTOP, "process 0 of 2 stops: process 1 of 2 sent no heartbeat for 3 s", 3.0 + 5.0),
-])
+@pytest.mark.parametrize(
+    "victim, sig, message, bound",
+    [
+        (0, signal.SIGKILL, "process 1 of 2 stops: process 0 of 2 (the coordinator) died or was killed", 5.0),
+        (1, signal.SIGSTOP, "process 0 of 2 stops: process 1 of 2 sent no heartbeat for 3 s", 3.0 + 5.0),
+    ],
+)
 def test_lost_process_ends_the_survivor_with_a_message(tmp_path, victim, sig, message, bound):
     procs = _start_watched(tmp_path, ["--peer-timeout", "3"])
     survivor = 1 - victim
@@ -74,8 +78,11 @@ def test_process_killed_while_training_ends_the_other_checkpoints_intact(tmp_pat
     assert took < 5.0, took
     with Checkpointer(tmp_path / "run" / "checkpoints") as c:
         latest = c.latest_step()
-    done = max(int(line.split(" step ")[1].split()[0]) for line in log1.read_text().splitlines()
-               if " step " in line and " loss " in line)
+    done = max(
+        int(line.split(" step ")[1].split()[0])
+        for line in log1.read_text().splitlines()
+        if " step " in line and " loss " in line
+    )
     assert latest is not None and 4 <= latest <= done and latest % 2 == 0, (latest, done)
 
 
@@ -93,10 +100,13 @@ def test_processes_that_never_meet_fail_within_the_bound_naming_why(tmp_path):
     text0, text1 = read_log(tmp_path, 0), read_log(tmp_path / "x", 0)
     print(f"exited {codes} {took:.1f} s after starting (init timeout 4 s)")
     assert codes == [69, 69], (text0[-2000:], text1[-2000:])
-    assert (f"process 0 of 2 (the coordinator, at 127.0.0.1:{port0}) waited 4 s but not all 2 "
-            "processes connected to it") in text0, text0[-2000:]
-    assert (f"process 1 of 2 did not connect to the coordinator 127.0.0.1:{wrong} within 4 s: "
-            "nothing accepts connections there") in text1, text1[-2000:]
+    assert (
+        f"process 0 of 2 (the coordinator, at 127.0.0.1:{port0}) waited 4 s but not all 2 processes connected to it"
+    ) in text0, text0[-2000:]
+    assert (
+        f"process 1 of 2 did not connect to the coordinator 127.0.0.1:{wrong} within 4 s: "
+        "nothing accepts connections there"
+    ) in text1, text1[-2000:]
     assert "Exiting with status 69." in text0 and "Exiting with status 69." in text1
     for text in (text0, text1):
         assert "Check failure" not in text and "Traceback" not in text, text[-2000:]

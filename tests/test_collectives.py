@@ -79,8 +79,12 @@ def test_payloads_get_fusion_boundaries_on_cpu(mesh, bits):
     one around the send's packing and one around the receive, for every width; in the
     all-gather one around the receive, and one around the send for packed codes only (an
     8-bit send is one fused pass without it)."""
-    f = _smap(mesh, lambda x: qc.quantized_reduce_scatter(
-        x, bits=bits, bucket=BUCKET, axis_name=AXIS, key=jnp.uint32(1)), P(AXIS), P(AXIS))
+    f = _smap(
+        mesh,
+        lambda x: qc.quantized_reduce_scatter(x, bits=bits, bucket=BUCKET, axis_name=AXIS, key=jnp.uint32(1)),
+        P(AXIS),
+        P(AXIS),
+    )
     hlo = f.lower(jax.ShapeDtypeStruct((N * N * BUCKET,), jnp.float32)).compile().as_text()
     assert hlo.count(" conditional(") == 2
     g = _smap(mesh, lambda x: qc.quantized_all_gather(x, bits=bits, bucket=BUCKET, axis_name=AXIS), P(AXIS), P())
@@ -91,6 +95,7 @@ def test_payloads_get_fusion_boundaries_on_cpu(mesh, bits):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_collectives_type_check_under_shard_map_vma(mesh, bits):
     """The default shard_map (check_vma=True) accepts both collectives, boundary included."""
+
     def f(x):
         full = qc.quantized_all_gather(x, bits=bits, bucket=BUCKET, axis_name=AXIS)
         return qc.quantized_reduce_scatter(full, bits=bits, bucket=BUCKET, axis_name=AXIS, key=jnp.uint32(3))
@@ -127,9 +132,7 @@ def test_gather_on_grid_is_lossless_on_every_device(mesh, bits):
         i = lax.axis_index(AXIS)
         qt = qz.quantize(shard, bits, BUCKET, "shift", qz.derive_key(5, i))
         on_grid = qt.dequantize()
-        got = qc.quantized_all_gather(
-            on_grid, bits=bits, bucket=BUCKET, axis_name=AXIS, grid=(qt.scales, qt.offsets)
-        )
+        got = qc.quantized_all_gather(on_grid, bits=bits, bucket=BUCKET, axis_name=AXIS, grid=(qt.scales, qt.offsets))
         want = lax.all_gather(on_grid, AXIS, tiled=True)
         return got[None], want[None]
 
@@ -144,7 +147,8 @@ def test_comm_gather_error_within_nearest_bound(mesh, bits):
     got = _smap(
         mesh,
         lambda s: qc.quantized_all_gather(s, bits=bits, bucket=BUCKET, axis_name=AXIS),
-        P(AXIS), P(),
+        P(AXIS),
+        P(),
     )(x)
     xb = np.asarray(x).reshape(-1, BUCKET)
     step = np.repeat((xb.max(1) - xb.min(1)) / (2**bits - 1), BUCKET)
@@ -213,8 +217,11 @@ def test_senders_use_independent_keys(mesh):
 
 @pytest.mark.parametrize(
     "config",
-    [q.QSDPConfig.fp32(bucket_size=BUCKET), q.QSDPConfig.bf16(bucket_size=BUCKET),
-     q.QSDPConfig(weight_mode="comm", weight_bits=8, grad_bits=8, bucket_size=BUCKET)],
+    [
+        q.QSDPConfig.fp32(bucket_size=BUCKET),
+        q.QSDPConfig.bf16(bucket_size=BUCKET),
+        q.QSDPConfig(weight_mode="comm", weight_bits=8, grad_bits=8, bucket_size=BUCKET),
+    ],
     ids=lambda c: c.name,
 )
 def test_gather_vjp_is_the_reduce_scatter(mesh, config):
@@ -247,5 +254,6 @@ def test_reduce_scatter_rejects_ragged_buffers(mesh):
         _smap(
             mesh,
             lambda f: qc.quantized_reduce_scatter(f, bits=4, bucket=BUCKET, axis_name=AXIS, key=jnp.uint32(0)),
-            P(), P(AXIS),
+            P(),
+            P(AXIS),
         )(jnp.ones((N * BUCKET + 8,)))

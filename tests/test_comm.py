@@ -35,9 +35,7 @@ def mesh():
 
 
 def _sm(mesh, f, in_specs, out_specs):
-    return jax.jit(
-        jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    )
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
 
 def _only(report: CommReport) -> Collective:
@@ -233,12 +231,14 @@ def test_iota_replica_groups():
 
 def test_submesh_group_of_four_operand_lookup_and_inline():
     def rs(operand: str, param: str) -> CommReport:
-        return comm_report_from_hlo(_module(
-            f"  {param} = f32[64]{{0}} parameter(0)\n"
-            f"  ROOT %rs = f32[16]{{0}} reduce-scatter({operand}), channel_id=2, "
-            "replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, "
-            "dimensions={0}, to_apply=%add"
-        ))
+        return comm_report_from_hlo(
+            _module(
+                f"  {param} = f32[64]{{0}} parameter(0)\n"
+                f"  ROOT %rs = f32[16]{{0}} reduce-scatter({operand}), channel_id=2, "
+                "replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, "
+                "dimensions={0}, to_apply=%add"
+            )
+        )
 
     # Operand by name (JAX 0.10 printing), and with its shape inline (older printing; the
     # name is then not needed in the table).
@@ -313,7 +313,10 @@ def test_async_wrapped_and_sugared_reduce_scatter_and_permute():
     )
     r = comm_report_from_hlo(hlo)
     assert sorted(c.opcode for c in r.collectives) == [
-        "collective-permute-start", "reduce-scatter", "reduce-scatter-start"]
+        "collective-permute-start",
+        "reduce-scatter",
+        "reduce-scatter-start",
+    ]
     assert r.by_kind() == {"reduce-scatter": 2 * 224.0, "collective-permute": 256.0}
     cp = next(c for c in r.collectives if c.kind == "collective-permute")
     assert cp.group_size == 2
@@ -348,7 +351,7 @@ def test_while_call_and_quoted_backend_config():
         "  %p = f32[16]{0} parameter(0)\n"
         "  %z = s32[] constant(0)\n"
         "  %t0 = (s32[], f32[16]{0}) tuple(%z, %p)\n"
-        '  %w = (s32[], f32[16]{0}) while(%t0), condition=%cond, body=%body, '
+        "  %w = (s32[], f32[16]{0}) while(%t0), condition=%cond, body=%body, "
         'backend_config="{\\"known_trip_count\\":{\\"n\\":\\"5\\"}}"\n'
         "  ROOT %o = f32[16]{0} get-tuple-element(%w), index=1",
         extra=extra,
@@ -357,8 +360,9 @@ def test_while_call_and_quoted_backend_config():
     assert (c.computation, c.count) == ("inner", 5)
     assert c.bytes_on_wire == 5 * 2 * 64 * 7 / 8
     # %inner also called once from the entry: multipliers of all call sites add up.
-    twice = hlo.replace("  %z = s32[] constant(0)\n",
-                        "  %z = s32[] constant(0)\n  %c2 = f32[16]{0} call(%p), to_apply=%inner\n")
+    twice = hlo.replace(
+        "  %z = s32[] constant(0)\n", "  %z = s32[] constant(0)\n  %c2 = f32[16]{0} call(%p), to_apply=%inner\n"
+    )
     c = _only(comm_report_from_hlo(twice))
     assert (c.count, c.bytes_on_wire) == (6, 6 * 112.0)
 
@@ -387,8 +391,7 @@ def _loop_module(backend_config: str) -> str:
 
 
 def test_missing_trip_count_counts_once_with_warning():
-    known = comm_report_from_hlo(
-        _loop_module(', backend_config={"known_trip_count":{"n":"3"}}'))
+    known = comm_report_from_hlo(_loop_module(', backend_config={"known_trip_count":{"n":"3"}}'))
     assert _only(known).count == 3 and known.total_bytes == 3 * 224.0
 
     r = comm_report_from_hlo(_loop_module(""))
@@ -410,8 +413,7 @@ def test_dtypes_and_mixed_tuple():
         "%a, %b, %c, %d), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}"
     )
     r = comm_report_from_hlo(hlo)
-    assert {c.dtype: c.payload_bytes for c in r.collectives} == {
-        "bf16": 128, "f8e4m3fn": 64, "s4": 64, "pred": 8}
+    assert {c.dtype: c.payload_bytes for c in r.collectives} == {"bf16": 128, "f8e4m3fn": 64, "s4": 64, "pred": 8}
     assert r.by_dtype() == {"bf16": 112.0, "f8e4m3fn": 56.0, "s4": 56.0, "pred": 7.0}
     assert {c.name for c in r.collectives} == {"ag"}
     assert r.by_kind_dtype()[("all-gather", "bf16")] == 112.0
@@ -419,8 +421,7 @@ def test_dtypes_and_mixed_tuple():
 
 def test_unknown_dtype_is_an_error():
     hlo = _module(
-        "  %p = f99[8]{0} parameter(0)\n"
-        "  ROOT %ag = f99[64]{0} all-gather(%p), replica_groups={}, dimensions={0}"
+        "  %p = f99[8]{0} parameter(0)\n  ROOT %ag = f99[64]{0} all-gather(%p), replica_groups={}, dimensions={0}"
     )
     with pytest.raises(ValueError, match="unknown HLO element type 'f99'"):
         comm_report_from_hlo(hlo)

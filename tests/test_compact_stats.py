@@ -66,14 +66,16 @@ def test_codes_never_clip_and_payload_roundtrips(bits, rounding):
     assert payload.shape[-1] == qc.payload_size(8 * BUCKET, bits, BUCKET, BF)
     assert payload.shape[-1] == qz.packed_size(8 * BUCKET, bits) + 4 * 8
     back = qc.from_payload(payload, 8 * BUCKET, bits, BUCKET, BF)
-    np.testing.assert_array_equal(np.asarray(back.dequantize()).view(np.uint32),
-                                  np.asarray(qt.dequantize()).view(np.uint32))
+    np.testing.assert_array_equal(
+        np.asarray(back.dequantize()).view(np.uint32), np.asarray(qt.dequantize()).view(np.uint32)
+    )
 
 
 def _rs(mesh, full, keys, bits=2, kernels="reference", bucket=BUCKET, stats=BF):
     def f(fb, key):
-        return qc.quantized_reduce_scatter(fb[0], bits=bits, bucket=bucket, axis_name=AXIS, key=key[0],
-                                           kernels=kernels, stats_dtype=stats)
+        return qc.quantized_reduce_scatter(
+            fb[0], bits=bits, bucket=bucket, axis_name=AXIS, key=key[0], kernels=kernels, stats_dtype=stats
+        )
 
     fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=P(AXIS), check_vma=False))
     return np.stack([np.asarray(fn(full, jnp.asarray([k], jnp.uint32))) for k in keys])
@@ -102,11 +104,11 @@ def test_reduce_scatter_with_bf16_stats_is_unbiased(mesh):
 def _gather(mesh, x, grid, bits, kernels, stats=BF, bucket=BUCKET):
     def f(shard, s, o):
         g = None if grid is None else (s, o)
-        return qc.quantized_all_gather(shard, bits=bits, bucket=bucket, axis_name=AXIS, grid=g,
-                                       kernels=kernels, stats_dtype=stats)[None]
+        return qc.quantized_all_gather(
+            shard, bits=bits, bucket=bucket, axis_name=AXIS, grid=g, kernels=kernels, stats_dtype=stats
+        )[None]
 
-    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)), out_specs=P(AXIS),
-                               check_vma=False))
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)), out_specs=P(AXIS), check_vma=False))
     s, o = grid if grid is not None else (jnp.zeros(x.size // bucket), jnp.zeros(x.size // bucket))
     return np.asarray(fn(x, s, o))  # (N, full) one row per device
 
@@ -137,14 +139,17 @@ def test_kernels_interpret_equal_reference_with_bf16_stats(mesh):
     ker = _rs(mesh, full, [5], bits=4, bucket=256, kernels="interpret")
     np.testing.assert_array_equal(ref.view(np.uint32), ker.view(np.uint32))
     x = _data(N * 2 * 256, 12)
-    np.testing.assert_array_equal(_gather(mesh, x, None, 3, "interpret", bucket=256),
-                                  _gather(mesh, x, None, 3, "reference", bucket=256))
+    np.testing.assert_array_equal(
+        _gather(mesh, x, None, 3, "interpret", bucket=256), _gather(mesh, x, None, 3, "reference", bucket=256)
+    )
 
 
 def test_hlo_bytes_equal_the_formula_and_shrink():
     """Invariant 4 on the tiny GPT: bf16 stats count 4 bytes per bucket, and the HLO agrees."""
-    cfgs = [q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, bucket_size=256, stats_dtype=s)
-            for s in ("float32", BF)]
+    cfgs = [
+        q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, bucket_size=256, stats_dtype=s)
+        for s in ("float32", BF)
+    ]
     r = wire_bytes.measure("tiny", cfgs, n_devices=8, batch_size=16)["schemes"]
     f32, bf = r["comm-W4G4"], r["comm-W4G4-bf16stats"]
     for rec in (f32, bf):
@@ -153,12 +158,15 @@ def test_hlo_bytes_equal_the_formula_and_shrink():
     assert bf["hlo_gather_scatter_bytes"] == pytest.approx(elements * (0.5 + 4 / 256), rel=0.01)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(stats_dtype="float16"), "one of 'float32', 'bfloat16'"),
-    (dict(stats_dtype=BF, weight_rounding="shift"), "weight_mode='qsdp'"),
-    (dict(stats_dtype=BF, weight_rounding="stochastic"), "ratchets outward"),
-    (dict(stats_dtype=BF, weight_mode="comm", node_axis="node", axis_name="local"), "two-level"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(stats_dtype="float16"), "one of 'float32', 'bfloat16'"),
+        (dict(stats_dtype=BF, weight_rounding="shift"), "weight_mode='qsdp'"),
+        (dict(stats_dtype=BF, weight_rounding="stochastic"), "ratchets outward"),
+        (dict(stats_dtype=BF, weight_mode="comm", node_axis="node", axis_name="local"), "two-level"),
+    ],
+)
 def test_config_refuses_bad_stats_dtype(kw, match):
     with pytest.raises(ValueError, match=match) as e:
         q.QSDPConfig(**kw)
@@ -179,8 +187,7 @@ def _digest(tree):
 
 
 def test_comm_training_with_bf16_stats_quantizes_the_view_and_resumes_exactly(tmp_path):
-    cfg = q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, stats_dtype=BF, grad_rotation=16,
-                       **SMALL)
+    cfg = q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, stats_dtype=BF, grad_rotation=16, **SMALL)
     mesh = q.make_mesh()
     opt = _opt(cfg)
     state0 = q.init_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)

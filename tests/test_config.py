@@ -81,10 +81,15 @@ def test_default_weight_rounding_is_stochastic():
 
 @pytest.mark.parametrize(
     "config",
-    [QSDPConfig.fp32(), QSDPConfig.bf16(), QSDPConfig.qsdp(8, 8), QSDPConfig.qsdp(2, 4),
-     QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=None),
-     QSDPConfig(weight_bits=4, grad_bits=4, weight_rounding="stochastic"),
-     QSDPConfig(weight_mode="full", weight_bits=None, grad_bits=8, fp_comm_dtype="bfloat16")],
+    [
+        QSDPConfig.fp32(),
+        QSDPConfig.bf16(),
+        QSDPConfig.qsdp(8, 8),
+        QSDPConfig.qsdp(2, 4),
+        QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=None),
+        QSDPConfig(weight_bits=4, grad_bits=4, weight_rounding="stochastic"),
+        QSDPConfig(weight_mode="full", weight_bits=None, grad_bits=8, fp_comm_dtype="bfloat16"),
+    ],
     ids=lambda c: c.name,
 )
 def test_from_name_inverts_name(config):
@@ -93,7 +98,8 @@ def test_from_name_inverts_name(config):
 
 def test_from_name_errors_and_shorthand():
     assert QSDPConfig.from_name("W4G8", bucket_size=256) == QSDPConfig.qsdp(
-        4, 8, bucket_size=256, weight_rounding="shift")
+        4, 8, bucket_size=256, weight_rounding="shift"
+    )
     for bad in ("int8", "qsdp-W9G8", "qsdp-W8", "zero-W8G8"):
         with pytest.raises(ValueError, match="unknown config name"):
             QSDPConfig.from_name(bad)

@@ -13,8 +13,18 @@ from experiments.convergence import run as convergence, runbook
 
 TINY = runbook.Settings(preset="tiny", steps=10)
 TINY_FLAGS = ["--preset", "tiny", "--steps", "10"]
-MAIN = ["fp32", "bf16", "qsdp-W8G8", "qsdp-W6G6", "qsdp-W4G4", "qsdp-sr-W8G8", "qsdp-sr-W6G6",
-        "qsdp-sr-W4G4", "comm-W8G8", "comm-W4G4"]
+MAIN = [
+    "fp32",
+    "bf16",
+    "qsdp-W8G8",
+    "qsdp-W6G6",
+    "qsdp-W4G4",
+    "qsdp-sr-W8G8",
+    "qsdp-sr-W6G6",
+    "qsdp-sr-W4G4",
+    "comm-W8G8",
+    "comm-W4G4",
+]
 
 
 def test_every_configuration_is_a_valid_qsdp_config_but_the_dropped_ones():
@@ -45,8 +55,12 @@ def test_default_selection_is_the_main_configurations_reference_first():
 
 def test_run_order_is_corpus_then_seed_with_the_reference_first():
     keys = runbook.run_keys(["shakespeare", "kjv"], ["fp32", "bf16"], [0, 1])
-    assert [str(k) for k in keys[:4]] == ["shakespeare/fp32/seed0", "shakespeare/bf16/seed0",
-                                          "shakespeare/fp32/seed1", "shakespeare/bf16/seed1"]
+    assert [str(k) for k in keys[:4]] == [
+        "shakespeare/fp32/seed0",
+        "shakespeare/bf16/seed0",
+        "shakespeare/fp32/seed1",
+        "shakespeare/bf16/seed1",
+    ]
     assert keys[4].corpus == "kjv" and len(keys) == 8
 
 
@@ -77,8 +91,12 @@ def test_a_misplaced_record_is_refused(tmp_path):
 
 def test_compact_record_keeps_validation_points_only():
     history = [{"step": i, "loss": 3.0 - i / 10, "val_loss": (2.5 if i == 2 else None)} for i in (1, 2)]
-    result = {"val_loss": 2.5, "history": history, "wall_s": 3.0,
-              "config": {"data_path": "/somewhere/cache/kjv_x_v1.txt"}}
+    result = {
+        "val_loss": 2.5,
+        "history": history,
+        "wall_s": 3.0,
+        "config": {"data_path": "/somewhere/cache/kjv_x_v1.txt"},
+    }
     rec = runbook.compact_record(result, runbook.RunKey("kjv", "fp32", 1), TINY, "c0ffee")
     assert "history" not in rec and rec["val_curve"] == [[2, 2.8, 2.5]]
     assert (rec["corpus"], rec["config_name"], rec["seed"], rec["git_commit"]) == ("kjv", "fp32", 1, "c0ffee")
@@ -117,8 +135,10 @@ def test_plan_done_todo_conflicts_and_estimate(tmp_path):
 def test_cli_plan_trains_nothing(tmp_path, capsys):
     root = tmp_path / "convergence_runs"
     write_fake(root, "shakespeare", "fp32", 0, 2.0, 100, settings=TINY)
-    rc = convergence.main(TINY_FLAGS + ["--out", str(tmp_path), "--plan", "--corpus", "shakespeare",
-                                        "--only", "bf16", "--seeds", "0", "1"])
+    rc = convergence.main(
+        TINY_FLAGS
+        + ["--out", str(tmp_path), "--plan", "--corpus", "shakespeare", "--only", "bf16", "--seeds", "0", "1"]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "1/4 runs done" in out and "todo shakespeare  bf16" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["convergence_runs"]
@@ -126,8 +146,22 @@ def test_cli_plan_trains_nothing(tmp_path, capsys):
 
 def test_cli_refuses_mixing_settings_and_bad_flags(tmp_path, capsys):
     write_fake(tmp_path / "convergence_runs", "kjv", "fp32", 0, 2.0, 100, settings=TINY)
-    rc = convergence.main(["--preset", "tiny", "--steps", "30", "--out", str(tmp_path), "--corpus", "kjv",
-                           "--only", "fp32", "--seeds", "0"])
+    rc = convergence.main(
+        [
+            "--preset",
+            "tiny",
+            "--steps",
+            "30",
+            "--out",
+            str(tmp_path),
+            "--corpus",
+            "kjv",
+            "--only",
+            "fp32",
+            "--seeds",
+            "0",
+        ]
+    )
     assert rc == 2 and "other settings" in capsys.readouterr().err
     assert convergence.main(["--only", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown configuration" in capsys.readouterr().err
@@ -158,8 +192,24 @@ def test_cli_report_from_records(tmp_path, capsys):
 def test_a_real_run_on_the_second_corpus_then_resume(tmp_path, capsys):
     """One real fp32 run (tiny model, 4 steps) on the KJV through the trainer, as a chunk of one
     out of two; then the plan shows the other left, and a rerun of the first trains nothing."""
-    flags = ["--preset", "tiny", "--steps", "4", "--warmup", "1", "--eval-every", "2",
-             "--eval-batches", "1", "--corpus", "kjv", "--only", "fp32", "--out", str(tmp_path)]
+    flags = [
+        "--preset",
+        "tiny",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "1",
+        "--corpus",
+        "kjv",
+        "--only",
+        "fp32",
+        "--out",
+        str(tmp_path),
+    ]
     assert convergence.main(flags + ["--seeds", "0", "1", "--max-runs", "1"]) == 0
     root = tmp_path / "convergence_runs"
     recs = runbook.load_records(root)

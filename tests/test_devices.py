@@ -1,5 +1,6 @@
 """experiments.gpt.devices: the real devices unless simulated ones are asked for (fresh processes:
 the device count is fixed once jax starts)."""
+
 import json
 import os
 import subprocess
@@ -20,9 +21,14 @@ print(json.dumps({"n": jax.device_count(), "platform": jax.devices()[0].platform
 
 def _probe(func: str, n: int, **env) -> dict:
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    r = subprocess.run([sys.executable, "-c", PROBE, func, str(n)], cwd=REPO, text=True,
-                       capture_output=True, env={**base, "PYTHONPATH": str(REPO), **env},
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, func, str(n)],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        env={**base, "PYTHONPATH": str(REPO), **env},
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -30,11 +36,9 @@ def _probe(func: str, n: int, **env) -> dict:
 def test_available_devices_force_no_platform():
     # this machine has only a CPU: it gets the simulated devices, and no platform is forced
     out = _probe("use_available_devices", 3)
-    assert out == {"n": 3, "platform": "cpu", "JAX_PLATFORMS": None,
-                   "desc": "3 cpu devices (simulated, 1 process)"}
+    assert out == {"n": 3, "platform": "cpu", "JAX_PLATFORMS": None, "desc": "3 cpu devices (simulated, 1 process)"}
     # a device count the user already set wins
-    out = _probe("use_available_devices", 3,
-                 XLA_FLAGS="--xla_force_host_platform_device_count=5")
+    out = _probe("use_available_devices", 3, XLA_FLAGS="--xla_force_host_platform_device_count=5")
     assert out["n"] == 5 and out["JAX_PLATFORMS"] is None
 
 

@@ -1,5 +1,6 @@
 """qsdp_jax.distributed: settings from the environment, clear errors, cluster detection, the
 single-process no-op, and a real 2-process start from QSDP_* variables (gloo, localhost)."""
+
 import json
 import os
 import subprocess
@@ -14,9 +15,17 @@ from qsdp_jax import distributed
 from qsdp_jax.distributed import DistributedInfo, DistributedSettings
 
 REPO = Path(__file__).resolve().parents[1]
-_CLUSTER_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
-                 "SLURM_LOCALID", "SLURM_STEP_NUM_NODES", "OMPI_MCA_orte_hnp_uri",
-                 "KUBERNETES_SERVICE_HOST", "JAX_COORDINATOR_ADDRESS")
+_CLUSTER_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_STEP_NUM_NODES",
+    "OMPI_MCA_orte_hnp_uri",
+    "KUBERNETES_SERVICE_HOST",
+    "JAX_COORDINATOR_ADDRESS",
+)
 
 
 @pytest.fixture
@@ -30,9 +39,13 @@ def clean_env(monkeypatch):
 
 
 def test_settings_from_env_and_overrides():
-    env = {"QSDP_COORDINATOR": "10.0.0.1:1234", "QSDP_NUM_PROCESSES": "4",
-           "QSDP_PROCESS_ID": "3", "QSDP_LOCAL_DEVICE_IDS": "0,1",
-           "QSDP_HEARTBEAT_TIMEOUT_S": "7"}
+    env = {
+        "QSDP_COORDINATOR": "10.0.0.1:1234",
+        "QSDP_NUM_PROCESSES": "4",
+        "QSDP_PROCESS_ID": "3",
+        "QSDP_LOCAL_DEVICE_IDS": "0,1",
+        "QSDP_HEARTBEAT_TIMEOUT_S": "7",
+    }
     s = DistributedSettings.from_env(env)
     assert (s.coordinator, s.num_processes, s.process_id) == ("10.0.0.1:1234", 4, 3)
     assert s.local_device_ids == (0, 1) and s.heartbeat_timeout_s == 7
@@ -42,13 +55,16 @@ def test_settings_from_env_and_overrides():
     assert DistributedSettings.from_env({"JAX_COORDINATOR_ADDRESS": "h:1"}).coordinator == "h:1"
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(coordinator="nohostport"), ["coordinator", "nohostport", "host:port"]),
-    (dict(num_processes=0), ["num_processes", "0", ">= 1"]),
-    (dict(num_processes=2, process_id=2), ["process_id", "2", "num_processes=2"]),
-    (dict(local_device_ids=()), ["local_device_ids"]),
-    (dict(heartbeat_timeout_s=0), ["heartbeat_timeout_s", ">= 1"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(coordinator="nohostport"), ["coordinator", "nohostport", "host:port"]),
+        (dict(num_processes=0), ["num_processes", "0", ">= 1"]),
+        (dict(num_processes=2, process_id=2), ["process_id", "2", "num_processes=2"]),
+        (dict(local_device_ids=()), ["local_device_ids"]),
+        (dict(heartbeat_timeout_s=0), ["heartbeat_timeout_s", ">= 1"]),
+    ],
+)
 def test_bad_settings_name_the_field(kwargs, words):
     with pytest.raises(ValueError) as e:
         DistributedSettings(**kwargs)
@@ -78,8 +94,13 @@ def test_resolve_single_explicit_and_slurm(clean_env):
     s = DistributedSettings(coordinator="h:9", num_processes=2, process_id=1)
     assert distributed.resolve(s) == DistributedInfo("explicit", 2, 1, "h:9")
     # SLURM through JAX's own detection (srun sets these in every task)
-    for k, v in {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[007-008]",
-                 "SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1"}.items():
+    for k, v in {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_NODELIST": "gpu[007-008]",
+        "SLURM_NTASKS": "16",
+        "SLURM_PROCID": "9",
+        "SLURM_LOCALID": "1",
+    }.items():
         clean_env.setenv(k, v)
     assert distributed.detect_cluster() == "slurm"
     info = distributed.resolve()
@@ -113,16 +134,27 @@ def test_multi_process_after_jax_started_is_refused(clean_env):
 def test_two_processes_start_from_env(tmp_path):
     """Two real processes, 4 CPU devices each, started only by QSDP_* variables."""
     port = find_free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("QSDP_") and k not in _CLUSTER_VARS}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-               XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               QSDP_COORDINATOR=f"127.0.0.1:{port}", QSDP_NUM_PROCESSES="2",
-               QSDP_HEARTBEAT_TIMEOUT_S="5", QSDP_INIT_TIMEOUT_S="60")
-    procs = [subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "distributed_worker.py"), str(tmp_path)],
-        env={**env, "QSDP_PROCESS_ID": str(i)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, cwd=str(REPO)) for i in range(2)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QSDP_") and k not in _CLUSTER_VARS}
+    env.update(
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(REPO),
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        QSDP_COORDINATOR=f"127.0.0.1:{port}",
+        QSDP_NUM_PROCESSES="2",
+        QSDP_HEARTBEAT_TIMEOUT_S="5",
+        QSDP_INIT_TIMEOUT_S="60",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "distributed_worker.py"), str(tmp_path)],
+            env={**env, "QSDP_PROCESS_ID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=str(REPO),
+        )
+        for i in range(2)
+    ]
     outs = []
     try:
         for p in procs:
@@ -134,8 +166,7 @@ def test_two_processes_start_from_env(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    res = [json.loads(next(l for l in o.splitlines() if l.startswith("@@RESULT@@ "))[11:])
-           for o in outs]
+    res = [json.loads(next(l for l in o.splitlines() if l.startswith("@@RESULT@@ "))[11:]) for o in outs]
     for i, r in enumerate(res):
         assert (r["source"], r["num_processes"], r["process_id"]) == ("explicit", 2, i)
         assert r["same"] and r["process_count"] == 2
@@ -152,10 +183,13 @@ def test_two_processes_start_from_env(tmp_path):
 def test_importing_the_package_starts_no_backend():
     """jax.distributed must start before JAX's backends: importing qsdp_jax may not create them
     (a module-level jnp constant would, and then every multi-process start fails)."""
-    code = ("import qsdp_jax, experiments.gpt.train, experiments.gpt.trainer\n"
-            "from jax._src import xla_bridge\n"
-            "assert not xla_bridge.backends_are_initialized(), 'a backend was started at import'\n")
+    code = (
+        "import qsdp_jax, experiments.gpt.train, experiments.gpt.trainer\n"
+        "from jax._src import xla_bridge\n"
+        "assert not xla_bridge.backends_are_initialized(), 'a backend was started at import'\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(REPO), capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]

@@ -19,8 +19,11 @@ import pytest
 import qsdp_jax as q
 
 REPO = Path(__file__).resolve().parents[1]
-FENCE = re.compile(r"^(?P<marker><!--\s*not run:(?P<reason>.*?)-->\s*\n)?```(?P<lang>[A-Za-z0-9_+-]*)[^\n]*\n"
-                   r"(?P<code>.*?)^```\s*$", re.M | re.S)
+FENCE = re.compile(
+    r"^(?P<marker><!--\s*not run:(?P<reason>.*?)-->\s*\n)?```(?P<lang>[A-Za-z0-9_+-]*)[^\n]*\n"
+    r"(?P<code>.*?)^```\s*$",
+    re.M | re.S,
+)
 CODE_LANGS = {"python", "bash", "sh", "shell", "console"}
 
 
@@ -36,8 +39,14 @@ def blocks(page: Path) -> list[dict]:
         if m["lang"] not in CODE_LANGS:
             continue  # text, output, directives ({toctree}, {include}, ...)
         reason = m["reason"].strip() if m["marker"] else None
-        out.append({"lang": m["lang"], "code": m["code"], "reason": reason,
-                    "line": page.read_text()[:m.start()].count("\n") + 1})
+        out.append(
+            {
+                "lang": m["lang"],
+                "code": m["code"],
+                "reason": reason,
+                "line": page.read_text()[: m.start()].count("\n") + 1,
+            }
+        )
     return out
 
 
@@ -48,12 +57,11 @@ def _name(page: Path) -> str:
 # What a page's script must leave behind, checked after it ran (beyond exiting 0).
 AFTER = {
     "README.md": "assert int(state.step) == 1 and np.isfinite(float(metrics['loss']))\n"
-                 "assert state.layout.group('blocks').stacked\n"
-                 "assert not np.array_equal(np.asarray(model.blocks.fc.kernel[...]),\n"
-                 "                          np.asarray(Model(nnx.Rngs(0)).blocks.fc.kernel[...]))\n",
+    "assert state.layout.group('blocks').stacked\n"
+    "assert not np.array_equal(np.asarray(model.blocks.fc.kernel[...]),\n"
+    "                          np.asarray(Model(nnx.Rngs(0)).blocks.fc.kernel[...]))\n",
     "docs/guides/nnx.md": "assert int(state.step) == 1 and np.isfinite(float(metrics['loss']))\n",
-    "docs/guides/param_access.md": "assert full['blocks']['w'].shape == (12, 512, 512)\n"
-                                   "assert int(state.step) == 1\n",
+    "docs/guides/param_access.md": "assert full['blocks']['w'].shape == (12, 512, 512)\nassert int(state.step) == 1\n",
 }
 
 
@@ -78,11 +86,16 @@ def test_page_code_runs(page, tmp_path):
     code = [b["code"] for b in blocks(page) if b["lang"] == "python" and b["reason"] is None]
     script = tmp_path / "page.py"
     script.write_text("\n".join(code) + "\nimport numpy as np\n" + AFTER.get(_name(page), ""))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=600,
+    )
     assert done.returncode == 0, f"{_name(page)}:\n{done.stderr[-3000:]}"
     if _name(page) == "docs/guides/checkpoints.md":  # the guide's checkpoint is complete and restorable
         with q.Checkpointer(tmp_path / "ckpt") as ckpt:
             assert ckpt.all_steps()
             assert ckpt.load_arrays()  # every checksum verified
-

@@ -20,12 +20,15 @@ ACROSS = "[[0, 4], [1, 5], [2, 6], [3, 7]]"  # "node" / "replica"
 CASES = {
     "1d-qsdp": ("fsdp", lambda: q.QSDPConfig.qsdp(8, 8, **SMALL)),
     "1d-fp32": ("fsdp", lambda: q.QSDPConfig.fp32(**SMALL)),
-    "hier-qsdp": ({"node": 2, "local": 4}, lambda: q.QSDPConfig.qsdp(
-        8, 8, inter_grad_bits=4, axis_name="local", node_axis="node", **SMALL)),
-    "hier-fp32": ({"node": 2, "local": 4}, lambda: q.QSDPConfig.fp32(
-        axis_name="local", node_axis="node", **SMALL)),
-    "hybrid-qsdp": ({"replica": 2, "fsdp": 4}, lambda: q.QSDPConfig.qsdp(
-        8, 8, inter_grad_bits=4, replica_axis="replica", **SMALL)),
+    "hier-qsdp": (
+        {"node": 2, "local": 4},
+        lambda: q.QSDPConfig.qsdp(8, 8, inter_grad_bits=4, axis_name="local", node_axis="node", **SMALL),
+    ),
+    "hier-fp32": ({"node": 2, "local": 4}, lambda: q.QSDPConfig.fp32(axis_name="local", node_axis="node", **SMALL)),
+    "hybrid-qsdp": (
+        {"replica": 2, "fsdp": 4},
+        lambda: q.QSDPConfig.qsdp(8, 8, inter_grad_bits=4, replica_axis="replica", **SMALL),
+    ),
 }
 
 
@@ -61,7 +64,6 @@ def test_train_step_exports_with_packed_collectives(case, platform):
     elif case == "hier-qsdp":  # two stages, each on its own axis, for weights and gradients
         assert got == {(op, g) for op in ("all_gather", "all_to_all") for g in (INSIDE, ACROSS)}
     elif case == "hybrid-qsdp":  # gather inside the group; gradients quantized across too
-        assert got == {("all_gather", INSIDE), ("all_to_all", INSIDE),
-                       ("all_to_all", ACROSS), ("all_gather", ACROSS)}
+        assert got == {("all_gather", INSIDE), ("all_to_all", INSIDE), ("all_to_all", ACROSS), ("all_gather", ACROSS)}
     else:  # the fp32 baseline sends no packed bytes: the check above can fail
         assert got == set()

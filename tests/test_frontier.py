@@ -74,16 +74,20 @@ def test_one_seed_and_unpaired_seeds_are_reported_not_hidden():
 def test_markdown_table():
     s = frontier.summarise(_records())
     md = frontier.markdown_table(s, "shakespeare")
-    assert md.startswith("**shakespeare**: fp32 mean validation loss 2.0000 over 3 seed(s); "
-                         "seed-to-seed sd 5.00%, range 10.00%.")
+    assert md.startswith(
+        "**shakespeare**: fp32 mean validation loss 2.0000 over 3 seed(s); seed-to-seed sd 5.00%, range 10.00%."
+    )
     lo, hi = 100 * (0.0083333 - HALF), 100 * (0.0083333 + HALF)
-    assert (f"| qsdp-sr-W8G8 | 8.00 | 0.00 | 4.00x | 3 | 2.0168 | +0.83% [{lo:+.2f}%, {hi:+.2f}%] "
-            "| +1.00%, +1.00%, +0.50% | **no** |") in md
+    assert (
+        f"| qsdp-sr-W8G8 | 8.00 | 0.00 | 4.00x | 3 | 2.0168 | +0.83% [{lo:+.2f}%, {hi:+.2f}%] "
+        "| +1.00%, +1.00%, +0.50% | **no** |"
+    ) in md
     assert "| qsdp-W4G4 | 4.00 | 0.00 | 8.00x | 1 | 3.0000 | +50.00% (1 seed, no interval) |" in md
     assert "| qsdp-W6G6 | 6.00 |" in md and "no paired seed" in md
     assert "| fp32 | 32.00 |" in md and "reference" in md
     assert "no fp32 run yet" in frontier.markdown_table(
-        frontier.summarise({k: v for k, v in _records().items() if k.config != "fp32"}), "shakespeare")
+        frontier.summarise({k: v for k, v in _records().items() if k.config != "fp32"}), "shakespeare"
+    )
 
 
 def test_frontier_points_pareto_first():

@@ -1,4 +1,5 @@
 """experiments.shelf.gspmd_fsdp: the plain jax.jit + NamedSharding FSDP step, the benchmarks' baseline."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +16,7 @@ from qsdp_jax.access import LocalParams
 def _batches(cfg, n_steps, batch_size, seed=0):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.vocab_size, size=(n_steps, batch_size, cfg.seq_len + 1))
-    return [{"inputs": jnp.asarray(t[:, :-1], jnp.int32), "targets": jnp.asarray(t[:, 1:], jnp.int32)}
-            for t in tokens]
+    return [{"inputs": jnp.asarray(t[:, :-1], jnp.int32), "targets": jnp.asarray(t[:, 1:], jnp.int32)} for t in tokens]
 
 
 def _at(tree, path):
@@ -70,7 +70,7 @@ def test_three_steps_match_the_one_device_optax_loop():
             continue
         assert np.linalg.norm(a - b) <= 5e-5 * np.linalg.norm(b), name
         diff2 += np.sum((a - b) ** 2)
-        norm2 += np.sum(b ** 2)
+        norm2 += np.sum(b**2)
     assert np.sqrt(diff2) <= 1e-5 * np.sqrt(norm2)
     # still sharded after the steps (out_shardings)
     assert params["embed"]["tok"]["embedding"].sharding.spec == P("fsdp", None)
@@ -102,8 +102,7 @@ def test_bench_memory_measures_the_gspmd_step():
     r = bench_memory.measure("tiny", "gspmd", 2)
     assert r["scheme"] == "gspmd" and r["n_devices"] == 2
     assert r["peak_bytes"] > 0
-    assert r["peak_bytes"] == (r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"]
-                               + r["temp_bytes"])
+    assert r["peak_bytes"] == (r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"])
     assert 0 < r["state_bytes"] < r["ideal_1_layer_bytes"] <= r["peak_bytes"]
     text = bench_memory.table([r, {**r, "scheme": "fp32", "peak_bytes": 2 * r["peak_bytes"]}])
     assert "vs gspmd" in text and "2.00x" in text

@@ -27,10 +27,17 @@ def _init(mesh, config, params=None, opt=None, **kw):
     return q.init_train_state(params, opt, mesh, config, stacked=kw.pop("stacked", toymodel.STACKED), **kw), opt
 
 
-@pytest.mark.parametrize("field, value", [
-    ("seed", 1), ("weight_rounding", "shift"), ("weight_mode", "comm"), ("weight_bits", 4),
-    ("grad_bits", 4), ("bucket_size", 128),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("seed", 1),
+        ("weight_rounding", "shift"),
+        ("weight_mode", "comm"),
+        ("weight_bits", 4),
+        ("grad_bits", 4),
+        ("bucket_size", 128),
+    ],
+)
 def test_optimizer_and_step_from_different_configs(mesh, field, value):
     import dataclasses
 
@@ -144,12 +151,10 @@ def test_donated_state_used_again(mesh):
 def test_bucket_far_larger_than_the_leaves_warns(mesh):
     cfg = q.QSDPConfig.qsdp(8, 8, bucket_size=1 << 16, min_shard_size=128)
     with pytest.warns(UserWarning, match=r"bucket_size=65536 on 8 devices pads .*x the memory"):
-        q.abstract_train_state(toymodel.init(0), optim.qsdp(optax.adam(1e-2), cfg), mesh, cfg,
-                               stacked=toymodel.STACKED)
+        q.abstract_train_state(toymodel.init(0), optim.qsdp(optax.adam(1e-2), cfg), mesh, cfg, stacked=toymodel.STACKED)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        q.abstract_train_state(toymodel.init(0), optim.qsdp(optax.adam(1e-2), CFG), mesh, CFG,
-                               stacked=toymodel.STACKED)
+        q.abstract_train_state(toymodel.init(0), optim.qsdp(optax.adam(1e-2), CFG), mesh, CFG, stacked=toymodel.STACKED)
 
 
 def test_clip_by_global_norm_is_global(mesh):

@@ -104,8 +104,16 @@ def test_two_level_gather_on_grid_is_lossless(hmesh):
     on_grid = qt.dequantize()
 
     def g(s, sc, off):
-        return hi.two_level_all_gather(s, outer_axis="node", inner_axis="local", bucket=BUCKET,
-                                       weight_mode="qsdp", outer_bits=4, inner_bits=4, grid=(sc, off))
+        return hi.two_level_all_gather(
+            s,
+            outer_axis="node",
+            inner_axis="local",
+            bucket=BUCKET,
+            weight_mode="qsdp",
+            outer_bits=4,
+            inner_bits=4,
+            grid=(sc, off),
+        )
 
     got = _smap(hmesh, g, (P(axes), P(axes), P(axes)), P())(on_grid, qt.scales, qt.offsets)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(on_grid).view(np.uint32))
@@ -115,9 +123,15 @@ def test_two_level_gather_on_grid_is_lossless(hmesh):
 def test_two_level_quantized_reduction_is_unbiased(hmesh, ymesh, hybrid_mesh):
     """Invariant 3 on two levels: the mean over keys converges to the exact sum."""
     spec = hi.TwoLevelSpec(
-        outer_axis="replica" if hybrid_mesh else "node", inner_axis="fsdp" if hybrid_mesh else "local",
-        hybrid=hybrid_mesh, bucket=BUCKET, weight_mode="full", inner_weight_bits=None,
-        outer_weight_bits=None, inner_grad_bits=3, outer_grad_bits=2,
+        outer_axis="replica" if hybrid_mesh else "node",
+        inner_axis="fsdp" if hybrid_mesh else "local",
+        hybrid=hybrid_mesh,
+        bucket=BUCKET,
+        weight_mode="full",
+        inner_weight_bits=None,
+        outer_weight_bits=None,
+        inner_grad_bits=3,
+        outer_grad_bits=2,
     )
     mesh = ymesh if hybrid_mesh else hmesh
     shards = LOCAL if hybrid_mesh else 8
@@ -196,7 +210,9 @@ def test_qsdp_gather_lossless_on_every_device_2d(hier_run, hybrid_run, kind):
             for name in ("embed", "head", "blocks"):
                 np.testing.assert_array_equal(
                     np.asarray(aux[name][dev]).view(np.uint32),
-                    np.asarray(held[name]["w"]).view(np.uint32), err_msg=f"{name} dev {dev}")
+                    np.asarray(held[name]["w"]).view(np.uint32),
+                    err_msg=f"{name} dev {dev}",
+                )
     assert float(run["history"][-1][1]["loss"]) < float(run["first"][1]["loss"])
 
 
@@ -278,8 +294,12 @@ def test_bytes_per_axis_match_the_formula(hmesh, hier_run):
     from experiments.shelf.twolevel_workload import bytes_by_axis
 
     got = bytes_by_axis(hier_run["compiled"], hmesh, detail=True)
-    expect = {"node/all-gather/u8": 0.0, "local/all-gather/u8": 0.0,
-              "local/all-to-all/u8": 0.0, "node/all-to-all/u8": 0.0}
+    expect = {
+        "node/all-gather/u8": 0.0,
+        "local/all-gather/u8": 0.0,
+        "local/all-to-all/u8": 0.0,
+        "node/all-to-all/u8": 0.0,
+    }
     for g in hier_run["state"].layout.groups:
         if not g.is_sharded:
             continue

@@ -168,8 +168,10 @@ def wrong_way(graph) -> list[str]:
                 bad.append(f"{m} (line {lines[0]}) imports {t}: the library imports no experiment")
             src, dst = _room(m), _room(t)
             if src is not None and dst is not None and dst not in MAY_IMPORT[src]:
-                bad.append(f"{m} (line {lines[0]}) imports {t}: room {src or 'experiments'} may import "
-                           f"only {sorted(r or 'experiments' for r in MAY_IMPORT[src])}")
+                bad.append(
+                    f"{m} (line {lines[0]}) imports {t}: room {src or 'experiments'} may import "
+                    f"only {sorted(r or 'experiments' for r in MAY_IMPORT[src])}"
+                )
     return bad
 
 
@@ -204,8 +206,7 @@ def test_the_graph_reads_every_kind_of_import(tmp_path):
     assert graph["experiments.gpt.a"] == {"experiments.gpt.b": [2]}
     assert graph["experiments.gpt.b"] == {"experiments.gpt.c": [1]}
     assert graph["experiments.gpt.c"] == {"experiments.gpt.a": [1]}
-    assert find_cycles(graph) == [["experiments.gpt.a", "experiments.gpt.b", "experiments.gpt.c",
-                                   "experiments.gpt.a"]]
+    assert find_cycles(graph) == [["experiments.gpt.a", "experiments.gpt.b", "experiments.gpt.c", "experiments.gpt.a"]]
     assert unexplained_local_imports(tmp_path) == ["experiments/gpt/a.py:2: from experiments.gpt import b"]
 
 
@@ -226,14 +227,23 @@ def test_function_local_imports_say_why():
 
 def test_the_cli_modules_import_no_jax():
     """The trainer CLI sets the device flags before jax starts: its modules import no jax."""
-    mods = ("experiments.train_gpt", "experiments.gpt.train", "experiments.gpt.args",
-            "experiments.gpt.cluster_args", "experiments.gpt.setup", "experiments.gpt.report",
-            "experiments.gpt.run_files", "experiments.gpt.data", "experiments.gpt.demo",
-            "experiments.shelf.multiproc", "experiments.bench.comm", "experiments.convergence.run")
+    mods = (
+        "experiments.train_gpt",
+        "experiments.gpt.train",
+        "experiments.gpt.args",
+        "experiments.gpt.cluster_args",
+        "experiments.gpt.setup",
+        "experiments.gpt.report",
+        "experiments.gpt.run_files",
+        "experiments.gpt.data",
+        "experiments.gpt.demo",
+        "experiments.shelf.multiproc",
+        "experiments.bench.comm",
+        "experiments.convergence.run",
+    )
     code = f"import sys\nfor m in {mods!r}:\n    __import__(m)\n    assert 'jax' not in sys.modules, m\n"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -241,6 +251,7 @@ def test_the_old_commands_still_run():
     """``python -m experiments.train_gpt`` (the alias) and ``python -m experiments.convergence``."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for module in ("experiments.train_gpt", "experiments.convergence"):
-        r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", module, "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == 0 and "usage:" in r.stdout, (module, r.stderr[-2000:])

@@ -111,8 +111,9 @@ def test_collectives_with_kernels_inside_shard_map(mesh, bits=3):
         def f(w, s, o):
             a = qc.quantized_all_gather(w, bits=bits, bucket=bucket, axis_name="fsdp", grid=(s, o), kernels=mode)
             b = qc.quantized_all_gather(w, bits=bits, bucket=bucket, axis_name="fsdp", kernels=mode)
-            c = qc.quantized_reduce_scatter(a + b, bits=bits, bucket=bucket, axis_name="fsdp",
-                                            key=jnp.uint32(5), kernels=mode)
+            c = qc.quantized_reduce_scatter(
+                a + b, bits=bits, bucket=bucket, axis_name="fsdp", key=jnp.uint32(5), kernels=mode
+            )
             return a, b, c
 
         spec = P("fsdp")
@@ -140,7 +141,8 @@ def test_gradients_through_kernels_are_the_references():
                 return qt.dequantize(), qt.scales, qt.offsets
 
             values, scales, _ = qk.select(
-                mode, ref, lambda a, target: qk.project(a, 4, 64, "shift", key, target=target), v, bucket=64)
+                mode, ref, lambda a, target: qk.project(a, 4, 64, "shift", key, target=target), v, bucket=64
+            )
             return jnp.sum(jnp.sin(values)) + jnp.sum(scales)
 
         return jax.jit(jax.grad(f))(x)
@@ -187,8 +189,14 @@ def test_train_step_with_kernels_lowers_for(mesh, platform, marker, rounding):
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     exp = jax.export.export(step, platforms=[platform], disabled_checks=checks)(state, batch)
     text = exp.mlir_module()
-    names = ["quantize_pack_grid", "quantize_pack_stochastic", "unpack_dequantize_8b",
-             "unpack_dequantize_sum", f"project_{rounding}", "project_grid"]
+    names = [
+        "quantize_pack_grid",
+        "quantize_pack_stochastic",
+        "unpack_dequantize_8b",
+        "unpack_dequantize_sum",
+        f"project_{rounding}",
+        "project_grid",
+    ]
     assert text.count(marker) >= len(names)
     for name in names:
         assert f"qsdp_{name}" in text, name
@@ -197,6 +205,7 @@ def test_train_step_with_kernels_lowers_for(mesh, platform, marker, rounding):
 def test_auto_mode_traces_no_kernel_on_cpu(mesh):
     """On a CPU-only process ``"auto"`` is the reference: the step's jaxpr holds no pallas_call,
     while ``"pallas"`` carries the kernels (lowered only for GPU/TPU)."""
+
     def jaxpr(mode):
         cfg = q.QSDPConfig.qsdp(8, 4, kernels=mode, **CFG)
         opt = optim.qsdp(optax.adam(1e-2), cfg)
@@ -208,8 +217,9 @@ def test_auto_mode_traces_no_kernel_on_cpu(mesh):
     assert "pallas_call" in jaxpr("pallas")
 
 
-@pytest.mark.parametrize("axes,level", [({"node": 2, "local": 4}, "node_axis"),
-                                        ({"replica": 2, "fsdp": 4}, "replica_axis")])
+@pytest.mark.parametrize(
+    "axes,level", [({"node": 2, "local": 4}, "node_axis"), ({"replica": 2, "fsdp": 4}, "replica_axis")]
+)
 def test_kernel_switch_reaches_the_two_level_collectives(axes, level):
     """``QSDPConfig.kernels`` is honoured on 2-D meshes too: ``"pallas"`` puts kernels in every
     stage's quantize/pack and unpack, ``"reference"`` none (traced only)."""
@@ -217,8 +227,7 @@ def test_kernel_switch_reaches_the_two_level_collectives(axes, level):
     mesh = q.make_mesh(axes)
 
     def jaxpr(mode):
-        cfg = q.QSDPConfig.qsdp(8, 8, inter_grad_bits=4, kernels=mode, axis_name=inner,
-                                **{level: outer}, **CFG)
+        cfg = q.QSDPConfig.qsdp(8, 8, inter_grad_bits=4, kernels=mode, axis_name=inner, **{level: outer}, **CFG)
         opt = optim.qsdp(optax.adam(1e-2), cfg)
         state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
         step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
@@ -242,7 +251,12 @@ def test_device_check_scripts_parse_and_dry_run(script, tmp_path):
 def _on_device(target):
     """Kernels compiled for the real device against the reference jitted on it."""
     rng = np.random.default_rng(0)
-    for bits, rounding, bucket in [(8, "stochastic", 1024), (4, "shift", 256), (3, "nearest", 64), (1, "stochastic", 4096)]:
+    for bits, rounding, bucket in [
+        (8, "stochastic", 1024),
+        (4, "shift", 256),
+        (3, "nearest", 64),
+        (1, "stochastic", 4096),
+    ]:
         x = jnp.asarray(rng.normal(size=(4, 5 * bucket)).astype(np.float32))
         _on_device_case(target, x, bits, rounding, bucket)
 

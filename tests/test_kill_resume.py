@@ -21,24 +21,65 @@ REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "testdata" / "shakespeare_small.txt"
 STEPS = 64  # long enough that no life finishes the run before its kill lands
 KILLS = 10
-ARGS = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--seq-len", "16", "--batch", "4",
-        "--bucket-size", "64", "--min-shard-size", "256", "--eval-batches", "1", "--data", str(DATA),
-        "--lr", "1e-2", "--warmup", "1", "--no-fp32-ratio", "--quiet", "--steps", str(STEPS),
-        "--eval-every", "16", "--devices", "2", "--checkpoint-every", "1", "--keep", "2"]
+ARGS = [
+    "--d-model",
+    "16",
+    "--n-heads",
+    "2",
+    "--n-layers",
+    "1",
+    "--seq-len",
+    "16",
+    "--batch",
+    "4",
+    "--bucket-size",
+    "64",
+    "--min-shard-size",
+    "256",
+    "--eval-batches",
+    "1",
+    "--data",
+    str(DATA),
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "1",
+    "--no-fp32-ratio",
+    "--quiet",
+    "--steps",
+    str(STEPS),
+    "--eval-every",
+    "16",
+    "--devices",
+    "2",
+    "--checkpoint-every",
+    "1",
+    "--keep",
+    "2",
+]
 
 
 def _cache_env(cache: Path) -> dict:
     """JAX's persistent compilation cache: every life after the first skips compiling (12.7 ->
     4.6 s of CPU per life measured), the executables, and so the numbers, are the same."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 def _start(out: Path, resume: bool) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "experiments.gpt.train", *ARGS, "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO), **_cache_env(out.parent / "jax-cache")}
-    return subprocess.Popen(cmd + (["--resume"] if resume else []), cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        cmd + (["--resume"] if resume else []),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _rows(out: Path) -> int:

@@ -1,6 +1,7 @@
 """The launchers under gpu_scripts/ and tpu_scripts/: every *.sh parses (bash -n), passes
 shellcheck when it is installed, and prints its commands with --dry-run without running any;
 the dry-run output of each launcher says what it would do."""
+
 import os
 import shutil
 import subprocess
@@ -35,15 +36,16 @@ def _dry_run(script: Path, fake_bin, *args, env=None, retry_with=None) -> str:
     """``bash script --dry-run *args``; when that is a usage error (exit 2) and ``retry_with``
     is given, once more with it appended (scripts that need an argument, e.g. an output folder)."""
     bin_dir, marks = fake_bin
-    full_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("SLURM_", "QSDP_", "TPU_", "NUM_GPUS", "PROCS", "MESH"))}
-    full_env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python"),
-                    **(env or {}))
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "QSDP_", "TPU_", "NUM_GPUS", "PROCS", "MESH"))
+    }
+    full_env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python"), **(env or {}))
     cmd = ["bash", str(script), "--dry-run", *args]
     r = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=60)
     if r.returncode == 2 and retry_with is not None:
-        r = subprocess.run([*cmd, retry_with], cwd=REPO, env=full_env, capture_output=True,
-                           text=True, timeout=60)
+        r = subprocess.run([*cmd, retry_with], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert not marks.exists(), f"--dry-run ran: {marks.read_text()}"
     return r.stdout
@@ -61,16 +63,18 @@ def test_script_parses_and_has_a_usage_header(script):
     head = script.read_text().splitlines()[:20]
     assert head[0].startswith("#!") and sum(line.startswith("#") for line in head) >= 5
     rel = str(script.relative_to(REPO))
-    assert any(line.startswith("#") and rel in line for line in head), \
+    assert any(line.startswith("#") and rel in line for line in head), (
         f"the header says how to run it (a line with {rel})"
+    )
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 @pytest.mark.parametrize("script", SCRIPTS + [LIB], ids=_ids(SCRIPTS + [LIB]))
 def test_shellcheck(script):
     # -x -P SCRIPTDIR/..: follow the scripts_lib.sh they source (its own warnings: the LIB case)
-    r = subprocess.run(["shellcheck", "-x", "-P", "SCRIPTDIR/..", "-S", "warning", str(script)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["shellcheck", "-x", "-P", "SCRIPTDIR/..", "-S", "warning", str(script)], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -83,8 +87,15 @@ def test_dry_run_prints_and_runs_nothing(script, fake_bin, tmp_path):
 
 def test_slurm_dry_run(fake_bin):
     script = REPO / "gpu_scripts" / "slurm_train.sh"
-    out = _dry_run(script, fake_bin, "--preset", "small", "--inter-grad-bits", "4",
-                   env={"SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_ID": "77", "GPUS_PER_NODE": "8"})
+    out = _dry_run(
+        script,
+        fake_bin,
+        "--preset",
+        "small",
+        "--inter-grad-bits",
+        "4",
+        env={"SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_ID": "77", "GPUS_PER_NODE": "8"},
+    )
     srun = [line for line in out.splitlines() if line.startswith("srun ")]
     assert len(srun) == 1
     assert "--nodes=4 --ntasks-per-node=8" in srun[0]  # one process per GPU
@@ -93,8 +104,7 @@ def test_slurm_dry_run(fake_bin):
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out
     assert "--xla_gpu_enable_pipelined_all_gather=true" in out
     assert "QSDP_HEARTBEAT_TIMEOUT_S=10" in out and "NCCL_DEBUG=WARN" in out
-    per_node = _dry_run(script, fake_bin, env={"SLURM_JOB_NUM_NODES": "2", "PROCS": "node",
-                                                "GPUS_PER_NODE": "4"})
+    per_node = _dry_run(script, fake_bin, env={"SLURM_JOB_NUM_NODES": "2", "PROCS": "node", "GPUS_PER_NODE": "4"})
     assert "export JAX_LOCAL_DEVICE_IDS=0,1,2,3" in per_node  # a node's process drives all GPUs
     assert "--ntasks-per-node=1" in per_node and "--mesh node=2,local=4" in per_node
 
@@ -107,15 +117,21 @@ def test_single_node_dry_run(fake_bin):
     lines = [line for line in per_gpu.splitlines() if line.startswith("env ")]
     assert len(lines) == 2
     for i, line in enumerate(lines):
-        assert (f"QSDP_COORDINATOR=127.0.0.1:29511 QSDP_NUM_PROCESSES=2 QSDP_PROCESS_ID={i} "
-                f"QSDP_LOCAL_DEVICE_IDS={i}") in line
+        assert (
+            f"QSDP_COORDINATOR=127.0.0.1:29511 QSDP_NUM_PROCESSES=2 QSDP_PROCESS_ID={i} QSDP_LOCAL_DEVICE_IDS={i}"
+        ) in line
 
 
 def test_tpu_pod_dry_run(fake_bin):
     script = REPO / "tpu_scripts" / "pod.sh"
-    out = _dry_run(script, fake_bin, "all", "--preset", "small",
-                   env={"TPU_NAME": "t1", "ZONE": "z1", "ACCELERATOR_TYPE": "v5p-16",
-                        "NUM_WORKERS": "2"})
+    out = _dry_run(
+        script,
+        fake_bin,
+        "all",
+        "--preset",
+        "small",
+        env={"TPU_NAME": "t1", "ZONE": "z1", "ACCELERATOR_TYPE": "v5p-16", "NUM_WORKERS": "2"},
+    )
     lines = out.splitlines()
     create = next(i for i, l in enumerate(lines) if " tpu-vm create t1" in l)
     install = next(i for i, l in enumerate(lines) if "pip install" in l)
@@ -134,7 +150,12 @@ def test_tpu_pod_dry_run(fake_bin):
 
 def test_bad_step_is_refused(fake_bin):
     bin_dir, marks = fake_bin
-    r = subprocess.run(["bash", str(REPO / "tpu_scripts" / "pod.sh"), "launch"], cwd=REPO,
-                       env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", str(REPO / "tpu_scripts" / "pod.sh"), "launch"],
+        cwd=REPO,
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "unknown step 'launch'" in r.stderr and not marks.exists()

@@ -10,8 +10,10 @@ from experiments.convergence import frontier, levers, runbook
 FP32 = {0: 2.0, 1: 2.1, 2: 1.9}
 BASE = {0: 2.04, 1: 2.142, 2: 1.938}  # gaps +2%, +2%, +2%
 GOLDEN = {0: 2.02, 1: 2.121, 2: 1.9095, 5: 1.0}  # gaps +1%, +1%, +0.5%; seed 5 has no fp32 run
-LEVERS = (("qsdp-sr-W4G4-golden", "qsdp-sr-W4G4", "golden rounding"),
-          ("qsdp-sr-W4G4-b256", "qsdp-sr-W4G4", "not run: no row"))
+LEVERS = (
+    ("qsdp-sr-W4G4-golden", "qsdp-sr-W4G4", "golden rounding"),
+    ("qsdp-sr-W4G4-b256", "qsdp-sr-W4G4", "not run: no row"),
+)
 
 
 def _summary():
@@ -38,14 +40,14 @@ def test_difference_of_paired_gaps_by_hand():
 def test_one_shared_seed_has_no_interval_and_the_table_says_so():
     s = _summary()
     c = s["corpora"]["shakespeare"]
-    c["configs"] = [dict(r, paired_gap={k: v for k, v in r["paired_gap"].items() if k == "0"})
-                    for r in c["configs"]]
+    c["configs"] = [dict(r, paired_gap={k: v for k, v in r["paired_gap"].items() if k == "0"}) for r in c["configs"]]
     (row,) = levers.lever_rows(c, LEVERS)
     assert row["seeds"] == [0] and row["mean"]["half_width"] is None
     assert row["interval_contains_zero"] is None
     c["levers"] = [row]
-    assert ("| qsdp-sr-W4G4-golden | qsdp-sr-W4G4 | golden rounding | 1 | -1.00% (1 seed, no "
-            "interval) | -1.00% |  |") in levers.markdown_table(s, "shakespeare")
+    assert (
+        "| qsdp-sr-W4G4-golden | qsdp-sr-W4G4 | golden rounding | 1 | -1.00% (1 seed, no interval) | -1.00% |  |"
+    ) in levers.markdown_table(s, "shakespeare")
 
 
 def test_markdown_table():

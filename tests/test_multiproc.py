@@ -1,4 +1,5 @@
 """Tests for experiments.shelf.multiproc: real 2-process jax.distributed (gloo) runs on CPU."""
+
 import os
 import signal
 import threading
@@ -82,8 +83,7 @@ def test_two_processes_allgather_consistent(unshaped_probe):
 def test_shaped_namespace_is_slower(netns_ok, unshaped_probe):
     rate = 200.0
     with shaped_namespace(rate_mbit=rate) as ns:
-        res = run_processes(PROBE, "allgather_probe", 2, {"num_bytes": MB4, "repeats": 3},
-                            netns=ns, timeout_s=120)
+        res = run_processes(PROBE, "allgather_probe", 2, {"num_bytes": MB4, "repeats": 3}, netns=ns, timeout_s=120)
     assert all(r["correct"] for r in res)
     shaped = max(r["median_s"] for r in res)
     unshaped = max(r["median_s"] for r in unshaped_probe)
@@ -148,8 +148,12 @@ def test_sigterm_to_parent_kills_workers():
     assert time.monotonic() - t0 < 30
     assert signal.getsignal(signal.SIGTERM) is before
     # the run_id is not exposed on this path; no worker of ours may survive at all
-    assert _procs_with("experiments.shelf.multiproc --worker --module experiments.bench.allgather_probe "
-                       "--func crash_probe") == []
+    assert (
+        _procs_with(
+            "experiments.shelf.multiproc --worker --module experiments.bench.allgather_probe --func crash_probe"
+        )
+        == []
+    )
 
 
 def test_two_by_two_devices_env_and_gloo_pinned():

@@ -24,16 +24,24 @@ KW = dict(cases=CASES, steps=2, compiler_options={"xla_backend_optimization_leve
 
 @pytest.fixture(scope="module")
 def runs():
-    two = run_processes("experiments.shelf.twolevel_workload", "train_losses_many", 2, KW,
-                        devices_per_process=4, timeout_s=600)
-    one = run_processes("experiments.shelf.twolevel_workload", "train_losses_many", 1, KW,
-                        devices_per_process=8, timeout_s=600)
+    two = run_processes(
+        "experiments.shelf.twolevel_workload", "train_losses_many", 2, KW, devices_per_process=4, timeout_s=600
+    )
+    one = run_processes(
+        "experiments.shelf.twolevel_workload", "train_losses_many", 1, KW, devices_per_process=8, timeout_s=600
+    )
     return two, one
 
 
-@pytest.mark.parametrize("i", range(len(CASES)), ids=[
-    f"{'1d' if c['mesh_axes'] == 'fsdp' else 'node-local'}-{c['config']['name']}"
-    + ("-xG4" if "inter_grad_bits" in c["config"] else "") for c in CASES])
+@pytest.mark.parametrize(
+    "i",
+    range(len(CASES)),
+    ids=[
+        f"{'1d' if c['mesh_axes'] == 'fsdp' else 'node-local'}-{c['config']['name']}"
+        + ("-xG4" if "inter_grad_bits" in c["config"] else "")
+        for c in CASES
+    ],
+)
 def test_two_processes_match_one_process_bitwise(runs, i):
     two, one = runs
     ref = one[0]["runs"][i]

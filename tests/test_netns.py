@@ -1,4 +1,5 @@
 """Tests for experiments.shelf.netns (namespace tests skip unless root + iproute2 + netns work)."""
+
 import math
 import os
 import signal

@@ -133,6 +133,7 @@ def test_groups_and_stacks_come_from_the_module():
     assert [(g.name, g.stacked) for g in describe(model).groups] == [("embed", False)]
     from experiments.gpt.model import GPTConfig
     from experiments.gpt.model_nnx import GPTModel
+
     medium = nnx.eval_shape(lambda: GPTModel(GPTConfig.from_preset("medium"), rngs=nnx.Rngs(0)))
     assert [(g.name, g.n_layers) for g in describe(medium).groups if g.stacked] == [("blocks", 8)]
 
@@ -243,8 +244,10 @@ class BNNet(nnx.Module):
 
 def test_batchnorm_statistics_match_one_device(mesh):
     cfg = q.QSDPConfig.fp32(**SMALL)
-    batches = [{"x": 3.0 + _stacked_batch(i)["x"] * (1 + jnp.arange(16.0))[:, None],
-                "y": _stacked_batch(i)["y"]} for i in range(3)]
+    batches = [
+        {"x": 3.0 + _stacked_batch(i)["x"] * (1 + jnp.arange(16.0))[:, None], "y": _stacked_batch(i)["y"]}
+        for i in range(3)
+    ]
     model = BNNet(nnx.Rngs(0))
     losses, state, *_ = _sharded(model, mse, batches, mesh, cfg, 1e-2)
     ref = BNNet(nnx.Rngs(0))

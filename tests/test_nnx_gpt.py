@@ -27,8 +27,10 @@ def mesh():
 
 def _batch(i):
     k1, k2 = jax.random.split(jax.random.key(i))
-    return {"inputs": jax.random.randint(k1, (8, 16), 0, 256, jnp.int32),
-            "targets": jax.random.randint(k2, (8, 16), 0, 256, jnp.int32)}
+    return {
+        "inputs": jax.random.randint(k1, (8, 16), 0, 256, jnp.int32),
+        "targets": jax.random.randint(k2, (8, 16), 0, 256, jnp.int32),
+    }
 
 
 def _low_level(config, mesh, lr=1e-2):
@@ -85,8 +87,9 @@ def test_fp32_same_losses_as_paramaccess_and_one_device(mesh):
     qnnx.update(model, state)
     chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model, nnx.Param)), low_params)
     # atol: the key bias has no gradient (softmax ignores it), Adam scales its rounding noise
-    chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-                                nnx.to_pure_dict(nnx.state(ref, nnx.Param)), rtol=1e-4, atol=1e-4)
+    chex.assert_trees_all_close(
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx.to_pure_dict(nnx.state(ref, nnx.Param)), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_w8g8_is_the_low_level_step_bit_for_bit_and_gathers_per_layer(mesh):

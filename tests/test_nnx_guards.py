@@ -97,8 +97,12 @@ def _params(model):
 
 
 def _buffers(tree):
-    return {s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
-            for s in x.addressable_shards}
+    return {
+        s.data.unsafe_buffer_pointer()
+        for x in jax.tree.leaves(tree)
+        if isinstance(x, jax.Array)
+        for s in x.addressable_shards
+    }
 
 
 def _fresh(state):
@@ -119,8 +123,9 @@ def tiny(mesh):
     opt = _opt()
     state = qnnx.init_state(model, opt, mesh, CFG)
     train = qnnx.make_train_step(model, xent, opt, mesh, CFG)
-    return dict(model=model, clone=clone, opt=opt, state=state, train=train,
-                eval=qnnx.make_eval_step(model, xent, mesh, CFG))
+    return dict(
+        model=model, clone=clone, opt=opt, state=state, train=train, eval=qnnx.make_eval_step(model, xent, mesh, CFG)
+    )
 
 
 def _stacked(mesh):
@@ -128,8 +133,7 @@ def _stacked(mesh):
     clone = nnx.clone(model)
     opt = _opt()
     state = qnnx.init_state(model, opt, mesh, CFG)
-    return dict(model=model, clone=clone, opt=opt, state=state,
-                train=qnnx.make_train_step(model, xent, opt, mesh, CFG))
+    return dict(model=model, clone=clone, opt=opt, state=state, train=qnnx.make_train_step(model, xent, opt, mesh, CFG))
 
 
 def _alive(module) -> bool:
@@ -247,6 +251,9 @@ def test_a_state_on_another_mesh_is_refused(mesh, tiny):
     half = q.make_mesh(devices=jax.devices()[:4])
     state = qnnx.init_state(tiny["clone"], tiny["opt"], half, CFG)
     for step in (tiny["train"], tiny["eval"]):
-        with pytest.raises(ValueError, match=r"state's step lies on the mesh \{'fsdp': 4\} \(4 devices.*"
-                           r"step was built for the mesh \{'fsdp': 8\} \(8 devices"):
+        with pytest.raises(
+            ValueError,
+            match=r"state's step lies on the mesh \{'fsdp': 4\} \(4 devices.*"
+            r"step was built for the mesh \{'fsdp': 8\} \(8 devices",
+        ):
             step(state, _batch(0))

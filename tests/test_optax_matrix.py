@@ -39,16 +39,21 @@ OPTIMIZERS = {
     "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
     "multi_transform": lambda: optax.multi_transform(
         {"fast": optax.adam(3e-2), "slow": optax.sgd(1e-2)},
-        _by_group({"embed": "fast", "blocks": "slow", "head": "fast"})),
-    "masked": lambda: optax.chain(optax.masked(optax.adam(1e-2), _by_group(
-        {"embed": True, "blocks": False, "head": True})), optax.masked(optax.sgd(1e-2), _by_group(
-            {"embed": False, "blocks": True, "head": False}))),
-    "adamw_mask_ndim": lambda: optax.adamw(1e-2, weight_decay=0.5,
-                                           mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
-    "adamw_mask_names": lambda: optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: {
-        g: {k: k == "w" for k in sub} for g, sub in p.items()}),
+        _by_group({"embed": "fast", "blocks": "slow", "head": "fast"}),
+    ),
+    "masked": lambda: optax.chain(
+        optax.masked(optax.adam(1e-2), _by_group({"embed": True, "blocks": False, "head": True})),
+        optax.masked(optax.sgd(1e-2), _by_group({"embed": False, "blocks": True, "head": False})),
+    ),
+    "adamw_mask_ndim": lambda: optax.adamw(
+        1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+    ),
+    "adamw_mask_names": lambda: optax.adamw(
+        1e-2, weight_decay=0.5, mask=lambda p: {g: {k: k == "w" for k in sub} for g, sub in p.items()}
+    ),
     "inject_schedule": lambda: optax.inject_hyperparams(optax.adam)(
-        learning_rate=optax.linear_schedule(1e-2, 1e-3, STEPS)),
+        learning_rate=optax.linear_schedule(1e-2, 1e-3, STEPS)
+    ),
 }
 
 MESHES = {
@@ -112,8 +117,9 @@ def _leaf(tree, path):
     return tree
 
 
-@pytest.mark.parametrize("name", ["adam", "clip_adamw", "lamb", "adafactor", "muon", "multisteps",
-                                  "multi_transform", "inject_schedule"])
+@pytest.mark.parametrize(
+    "name", ["adam", "clip_adamw", "lamb", "adafactor", "muon", "multisteps", "multi_transform", "inject_schedule"]
+)
 def test_every_transformation_trains_on_the_grid(name):
     """QSDP W8G8: the gather is lossless on every device at every step, and the loss falls."""
     state, step = _sharded(OPTIMIZERS[name], {"fsdp": 8}, {}, lambda **kw: q.QSDPConfig.qsdp(8, 8, **kw))
@@ -125,8 +131,11 @@ def test_every_transformation_trains_on_the_grid(name):
         losses.append(float(metrics["loss"]))
         for dev in range(8):
             for g in ("embed", "head", "blocks"):
-                np.testing.assert_array_equal(np.asarray(aux[g][dev]).view(np.uint32),
-                                              np.asarray(held[g]["w"]).view(np.uint32), err_msg=f"{g} {dev}")
+                np.testing.assert_array_equal(
+                    np.asarray(aux[g][dev]).view(np.uint32),
+                    np.asarray(held[g]["w"]).view(np.uint32),
+                    err_msg=f"{g} {dev}",
+                )
     assert losses[-1] < losses[0], losses
 
 
@@ -153,8 +162,7 @@ def test_optimizer_state_is_sharded_like_its_parameter():
     shardings; QSDP's grids are split on their buckets."""
     cfg = q.QSDPConfig.qsdp(8, 8, **SMALL)
     mesh = q.make_mesh()
-    state = q.init_train_state(toymodel.init(0), optim.qsdp(optax.adam(1e-2), cfg), mesh, cfg,
-                               stacked=toymodel.STACKED)
+    state = q.init_train_state(toymodel.init(0), optim.qsdp(optax.adam(1e-2), cfg), mesh, cfg, stacked=toymodel.STACKED)
     adam = state.opt_state.inner[0]
     for p, mu in zip(jax.tree.leaves(state.params), jax.tree.leaves(adam.mu)):
         assert mu.shape == p.shape and mu.sharding.spec == p.sharding.spec

@@ -21,16 +21,18 @@ CFG8 = q.QSDPConfig.qsdp(8, 8, bucket_size=BUCKET, min_shard_size=256, weight_ro
 def _on_grid(x, st_scales, st_offsets, bits):
     """x (any shape) is exactly representable on the grid (flattened, edge-padded rows)."""
     flat = jnp.asarray(x, jnp.float32).reshape(1, -1)
-    flat = qz.pad_last(flat, BUCKET) if flat.shape[-1] % BUCKET == 0 else jnp.pad(
-        flat, ((0, 0), (0, (-flat.shape[-1]) % BUCKET)), mode="edge")
+    flat = (
+        qz.pad_last(flat, BUCKET)
+        if flat.shape[-1] % BUCKET == 0
+        else jnp.pad(flat, ((0, 0), (0, (-flat.shape[-1]) % BUCKET)), mode="edge")
+    )
     qt = qz.quantize_on_grid(flat, st_scales, st_offsets, bits, BUCKET)
     return bool(jnp.all(qt.dequantize() == flat))
 
 
 def _params(seed=0):
     r = np.random.default_rng(seed)
-    return {"w": jnp.asarray(r.normal(size=(20, 30)), jnp.float32),
-            "b": jnp.asarray(r.normal(size=(30,)), jnp.float32)}
+    return {"w": jnp.asarray(r.normal(size=(20, 30)), jnp.float32), "b": jnp.asarray(r.normal(size=(30,)), jnp.float32)}
 
 
 def test_init_and_updates_land_on_the_grid():
@@ -58,8 +60,9 @@ def test_init_and_updates_land_on_the_grid():
 def test_projection_changes_with_count_and_seed_only():
     p = _params()
     a = optim.qsdp(optax.sgd(0.1), CFG8)
-    b = optim.qsdp(optax.sgd(0.1), q.QSDPConfig.qsdp(8, 8, bucket_size=BUCKET, min_shard_size=256, seed=1,
-                                                             weight_rounding="shift"))
+    b = optim.qsdp(
+        optax.sgd(0.1), q.QSDPConfig.qsdp(8, 8, bucket_size=BUCKET, min_shard_size=256, seed=1, weight_rounding="shift")
+    )
     sa, sb = a.init(p), b.init(p)
     chex.assert_trees_all_equal(sa, a.init(p))  # pure function of (seed, count, position)
     assert not np.array_equal(optim.find_qsdp_state(sa).offsets["w"], optim.find_qsdp_state(sb).offsets["w"])

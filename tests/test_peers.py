@@ -32,11 +32,15 @@ def test_connect_guard_says_what_is_wrong(capsys):
         listening = f"127.0.0.1:{server.getsockname()[1]}"
         exits, err = _guard_message(capsys, listening, 1)
         assert exits == [69]
-        assert (f"process 1 of 2 did not connect to the coordinator {listening} within 0.2 s: the "
-                "coordinator runs there but not all 2 processes joined it") in err, err
+        assert (
+            f"process 1 of 2 did not connect to the coordinator {listening} within 0.2 s: the "
+            "coordinator runs there but not all 2 processes joined it"
+        ) in err, err
         exits, err = _guard_message(capsys, listening, 0, n=3)
-        assert (f"process 0 of 3 (the coordinator, at {listening}) waited 0.2 s but not all 3 "
-                "processes connected to it: check that processes 1..2 started") in err, err
+        assert (
+            f"process 0 of 3 (the coordinator, at {listening}) waited 0.2 s but not all 3 "
+            "processes connected to it: check that processes 1..2 started"
+        ) in err, err
         with pytest.raises(ValueError, match=r"port \d+ \(127.0.0.1:\d+\) is already in use"):
             peers.check_port_free(listening)
     exits, err = _guard_message(capsys, listening, 1)  # closed now: nothing listens
@@ -135,8 +139,10 @@ def test_monitor_a_peer_that_stops_with_an_error_ends_the_hub(monkeypatch, capsy
     peer.fail("CLIError: --checkpoint-dir x is not a directory")
     assert _wait_exit(hub) == [75]
     err = capsys.readouterr().err
-    assert ("process 0 of 2 stops: process 1 of 2 stopped before the run finished (CLIError: "
-            "--checkpoint-dir x is not a directory). Exiting with status 75") in err, err
+    assert (
+        "process 0 of 2 stops: process 1 of 2 stopped before the run finished (CLIError: "
+        "--checkpoint-dir x is not a directory). Exiting with status 75"
+    ) in err, err
 
 
 def test_monitor_a_dead_peer_and_a_dead_hub(monkeypatch, capsys):
@@ -151,8 +157,9 @@ def test_monitor_a_dead_peer_and_a_dead_hub(monkeypatch, capsys):
     hub.fail("RuntimeError: boom")  # process 0 stops with an error: the others are told
     assert _wait_exit(peer) == [75]
     err = capsys.readouterr().err
-    assert ("process 1 of 2 stops: process 0 of 2 (the coordinator) stopped before the run "
-            "finished (RuntimeError: boom)") in err, err
+    assert (
+        "process 1 of 2 stops: process 0 of 2 (the coordinator) stopped before the run finished (RuntimeError: boom)"
+    ) in err, err
     peer._close(b"")
 
 

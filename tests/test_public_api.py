@@ -13,8 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _fresh(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=str(REPO), capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=120
+    )
 
 
 def test_submodule_namespaces_resolve_after_importing_the_package():
@@ -48,14 +49,30 @@ def test_the_top_level_is_the_user_api_and_every_name_has_an_api_page():
     ``qsdp_jax._src``), and each exported class or function is on a page of docs/api/."""
     import qsdp_jax as q
 
-    internal = {"pack_bits", "unpack_bits", "GatherSpec", "TwoLevelSpec", "ShardedParams", "QTensor",
-                "two_level_all_gather", "two_level_reduce_scatter", "policy", "rotation"}
+    internal = {
+        "pack_bits",
+        "unpack_bits",
+        "GatherSpec",
+        "TwoLevelSpec",
+        "ShardedParams",
+        "QTensor",
+        "two_level_all_gather",
+        "two_level_reduce_scatter",
+        "policy",
+        "rotation",
+    }
     assert not internal & set(q.__all__) and not any(hasattr(q, n) for n in internal)
     api = "\n".join(p.read_text() for p in (REPO / "docs" / "api").glob("*.md"))
-    modules = {n for n in q.__all__ if getattr(getattr(q, n), "__name__", "").startswith("qsdp_jax.")
-               and type(getattr(q, n)).__name__ == "module"}
-    undocumented = [n for n in q.__all__ if n not in modules and not n.startswith("__")
-                    and not re.search(rf"auto\w+:: {re.escape(n)}\b", api)]
+    modules = {
+        n
+        for n in q.__all__
+        if getattr(getattr(q, n), "__name__", "").startswith("qsdp_jax.") and type(getattr(q, n)).__name__ == "module"
+    }
+    undocumented = [
+        n
+        for n in q.__all__
+        if n not in modules and not n.startswith("__") and not re.search(rf"auto\w+:: {re.escape(n)}\b", api)
+    ]
     assert not undocumented, f"exported but on no docs/api page: {undocumented}"
     for m in modules:
         assert f"currentmodule:: qsdp_jax.{m}" in api, f"qsdp_jax.{m} has no docs/api page"

@@ -195,7 +195,11 @@ def test_pack_size_is_exact_and_layout_is_bit_planes():
     # 1 bit: code k at bit k
     assert int(qz.pack_bits(codes, 1)[0]) == 0b10001101
     assert np.asarray(qz.pack_bits(jnp.asarray([1, 2, 3, 0, 15, 9], jnp.uint8), 4)).tolist() == [
-        0x21, 0x03, 0x9F, 0x00]  # whole nibbles, low nibble first; 8-code groups, zero tail
+        0x21,
+        0x03,
+        0x9F,
+        0x00,
+    ]  # whole nibbles, low nibble first; 8-code groups, zero tail
     codes3 = jnp.arange(8, dtype=jnp.uint8)
     p = np.asarray(qz.pack_bits(codes3, 3))
     assert p.tolist() == [0b10101010, 0b11001100, 0b11110000]

@@ -45,8 +45,15 @@ def _passes(x, key, *, bits, bucket):
         rs = qz.quantize(x, bits, bucket, rounding, key)  # (CHUNKS, n): the reduce-scatter send
         sent = qc.to_payload(rs, split=True)
         flat = qz.quantize(x.reshape(-1), bits, bucket, rounding, key)  # 1-D: the all-gather send
-        out[rounding] = (rs.codes, rs.scales, rs.offsets, sent, qc.to_payload(flat), flat.dequantize(),
-                         qc.sum_rows(qc.from_payload(sent, n, bits, bucket).dequantize()))
+        out[rounding] = (
+            rs.codes,
+            rs.scales,
+            rs.offsets,
+            sent,
+            qc.to_payload(flat),
+            flat.dequantize(),
+            qc.sum_rows(qc.from_payload(sent, n, bits, bucket).dequantize()),
+        )
     grid = qz.quantize(x.reshape(-1), bits, bucket, "nearest")
     on_grid = grid.dequantize()
     moved = on_grid + 1e-3 * jnp.abs(on_grid)
@@ -182,8 +189,9 @@ def test_reference_outputs_are_bit_identical_to_main():
     got = digests()
     assert set(got) == set(PINNED)
     changed = sorted(k for k in PINNED if got[k] != PINNED[k])
-    assert not changed, (f"reference outputs changed for (bits/bucket/pass): {changed}; now:\n"
-                         + "\n".join(f'    "{k}": "{v}",' for k, v in got.items()))
+    assert not changed, f"reference outputs changed for (bits/bucket/pass): {changed}; now:\n" + "\n".join(
+        f'    "{k}": "{v}",' for k, v in got.items()
+    )
 
 
 def _collectives(full, *, bits, bucket):
@@ -197,8 +205,9 @@ def _collectives(full, *, bits, bucket):
         on_grid = qc.quantized_all_gather(w, bits=bits, bucket=bucket, axis_name="fsdp", grid=(s, o))
         rounded = qc.quantized_all_gather(x, bits=bits, bucket=bucket, axis_name="fsdp")
         mine = rounded - on_grid * (jax.lax.axis_index("fsdp") + 1.0)  # differs per device
-        summed = qc.quantized_reduce_scatter(mine, bits=bits, bucket=bucket, axis_name="fsdp",
-                                             key=qz.derive_key(5, bits))
+        summed = qc.quantized_reduce_scatter(
+            mine, bits=bits, bucket=bucket, axis_name="fsdp", key=qz.derive_key(5, bits)
+        )
         return on_grid, rounded, summed
 
     spec = P("fsdp")
@@ -236,4 +245,5 @@ def test_collectives_outputs_are_bit_identical_to_main():
     got = collective_digests()
     changed = sorted(k for k in PINNED_COLLECTIVES if got[k] != PINNED_COLLECTIVES[k])
     assert set(got) == set(PINNED_COLLECTIVES) and not changed, (
-        f"collective outputs changed for (bits/bucket): {changed}; now: {got}")
+        f"collective outputs changed for (bits/bucket): {changed}; now: {got}"
+    )

@@ -14,9 +14,36 @@ import pytest
 from experiments.gpt import train as tg, trainer as tr
 
 DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
-TINY = ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--seq-len", "16", "--batch", "8",
-        "--bucket-size", "64", "--min-shard-size", "256", "--eval-batches", "1", "--data", str(DATA),
-        "--lr", "1e-2", "--warmup", "1", "--no-fp32-ratio", "--quiet", "--steps", "6", "--eval-every", "3"]
+TINY = [
+    "--d-model",
+    "16",
+    "--n-heads",
+    "2",
+    "--n-layers",
+    "1",
+    "--seq-len",
+    "16",
+    "--batch",
+    "8",
+    "--bucket-size",
+    "64",
+    "--min-shard-size",
+    "256",
+    "--eval-batches",
+    "1",
+    "--data",
+    str(DATA),
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "1",
+    "--no-fp32-ratio",
+    "--quiet",
+    "--steps",
+    "6",
+    "--eval-every",
+    "3",
+]
 
 
 def _rows(out: Path) -> list[dict]:
@@ -124,8 +151,9 @@ def test_failure_timeout_saves_and_exits(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(tr.Trainer, "steps", steps)
     out = tmp_path / "run"
-    tg.main([*TINY, "--out", str(out), "--checkpoint-every", "100", "--failure-timeout", "1.5",
-             "--eval-every", "6"])  # (no evaluation, with its compilation, inside the bound)
+    tg.main(
+        [*TINY, "--out", str(out), "--checkpoint-every", "100", "--failure-timeout", "1.5", "--eval-every", "6"]
+    )  # (no evaluation, with its compilation, inside the bound)
     assert exits and exits[0] == 75
     err = capsys.readouterr().err
     assert "qsdp_jax watchdog: the trainer finished no train step for 1.5 s after step 3" in err
@@ -148,14 +176,15 @@ def test_overwrite_renames_on_process_0_only_between_barriers(tmp_path, monkeypa
     (tmp_path / "checkpoints.replaced").mkdir()  # left over by an earlier overwrite
     events = []
     monkeypatch.setattr(rf, "is_process_0", lambda: process_0)
-    monkeypatch.setattr(rf, "barrier", lambda name: events.append(
-        (name, (directory / "4").exists(), (tmp_path / "checkpoints.replaced").exists())))
-    args = argparse.Namespace(checkpoint_dir=str(directory), checkpoint_every=2, resume=False,
-                              overwrite=True, keep=2)
+    monkeypatch.setattr(
+        rf,
+        "barrier",
+        lambda name: events.append((name, (directory / "4").exists(), (tmp_path / "checkpoints.replaced").exists())),
+    )
+    args = argparse.Namespace(checkpoint_dir=str(directory), checkpoint_every=2, resume=False, overwrite=True, keep=2)
     ckpts = rf.open_checkpoints(args, tmp_path)
     ckpts.close()
-    assert [e[0] for e in events] == ["qsdp_jax: checkpoint directory checked",
-                                      "qsdp_jax: old checkpoints moved aside"]
+    assert [e[0] for e in events] == ["qsdp_jax: checkpoint directory checked", "qsdp_jax: old checkpoints moved aside"]
     assert events[0][1:] == (True, True)  # nothing moved before every process has looked
     assert ckpts.replaced == tmp_path / "checkpoints.replaced"  # each process knows the name
     assert (directory / "4").exists() is not process_0
@@ -180,8 +209,7 @@ def test_resume_onto_a_2d_mesh(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         _stop_after(m, 4)
         assert tg.main([*flags, "--out", str(out), "--checkpoint-every", "2"]) == 128 + signal.SIGTERM
-    assert tg.main([*flags, "--out", str(out), "--checkpoint-every", "2", "--resume",
-                    "--mesh", "node=2,local=4"]) == 0
+    assert tg.main([*flags, "--out", str(out), "--checkpoint-every", "2", "--resume", "--mesh", "node=2,local=4"]) == 0
     got, want = _rows(out), _rows(straight_shift)
     assert [r["step"] for r in got] == list(range(1, 7))
     assert [r["loss"] for r in got[:4]] == [r["loss"] for r in want[:4]]

@@ -58,8 +58,9 @@ def test_signs_depend_on_key_and_chunk_only():
 
 def _rs(mesh, full, keys, bits=2, rotation=None, kernels="reference", bucket=BUCKET):
     def f(fb, key):
-        return qc.quantized_reduce_scatter(fb[0], bits=bits, bucket=bucket, axis_name=AXIS, key=key[0],
-                                           rotation=rotation, kernels=kernels)
+        return qc.quantized_reduce_scatter(
+            fb[0], bits=bits, bucket=bucket, axis_name=AXIS, key=key[0], rotation=rotation, kernels=kernels
+        )
 
     fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=P(AXIS), check_vma=False))
     return np.stack([np.asarray(fn(full, jnp.asarray([k], jnp.uint32))) for k in keys])
@@ -96,15 +97,18 @@ def test_kernels_interpret_equal_reference_with_rotation(mesh):
     np.testing.assert_array_equal(ref.view(np.uint32), ker.view(np.uint32))
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(grad_rotation=48), "power of 2"),
-    (dict(grad_rotation=1), "power of 2"),
-    (dict(grad_rotation=True), "power of 2"),
-    (dict(grad_rotation=128, bucket_size=64), "dividing bucket_size=64"),
-    (dict(grad_rotation=16, grad_bits=None), "grad_bits=None"),
-    (dict(grad_rotation=16, node_axis="node", axis_name="local"), "two-level"),
-    (dict(grad_rotation=16, replica_axis="replica"), "two-level"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(grad_rotation=48), "power of 2"),
+        (dict(grad_rotation=1), "power of 2"),
+        (dict(grad_rotation=True), "power of 2"),
+        (dict(grad_rotation=128, bucket_size=64), "dividing bucket_size=64"),
+        (dict(grad_rotation=16, grad_bits=None), "grad_bits=None"),
+        (dict(grad_rotation=16, node_axis="node", axis_name="local"), "two-level"),
+        (dict(grad_rotation=16, replica_axis="replica"), "two-level"),
+    ],
+)
 def test_config_refuses_bad_rotation(kw, match):
     with pytest.raises(ValueError, match=match) as e:
         q.QSDPConfig(**kw)
@@ -183,8 +187,11 @@ def test_rotated_training_resumes_bit_exact_and_differs_from_unrotated(tmp_path)
 def test_trainer_flags_set_both_switches_and_stay_absent_when_off():
     from experiments.gpt import args as train_args
 
-    on = train_args.qsdp_kwargs(train_args.parse_args(
-        ["--grad-rotation", "64", "--stats-dtype", "bfloat16", "--weight-mode", "comm", "--weight-bits", "4"]))
+    on = train_args.qsdp_kwargs(
+        train_args.parse_args(
+            ["--grad-rotation", "64", "--stats-dtype", "bfloat16", "--weight-mode", "comm", "--weight-bits", "4"]
+        )
+    )
     cfg = q.QSDPConfig(**on)
     assert (cfg.grad_rotation, cfg.stats_dtype) == (64, "bfloat16")
     off = train_args.qsdp_kwargs(train_args.parse_args([]))
@@ -197,8 +204,9 @@ def test_trainer_flags_set_both_switches_and_stay_absent_when_off():
 def test_both_switches_export_for_gpu_and_tpu(platform):
     """``jax.export`` lowers the step with both switches for hardware we do not have; the
     Hadamard products ask for full float32 precision."""
-    cfg = q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, grad_rotation=64, stats_dtype="bfloat16",
-                       **SMALL)
+    cfg = q.QSDPConfig(
+        weight_mode="comm", weight_bits=4, grad_bits=4, grad_rotation=64, stats_dtype="bfloat16", **SMALL
+    )
     mesh = q.make_mesh()
     opt = optim.qsdp(optax.adam(1e-2), cfg)
     state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
@@ -210,8 +218,15 @@ def test_both_switches_export_for_gpu_and_tpu(platform):
 
 
 def test_bit_policy_buffers_keep_the_switches_and_drop_rotation_for_fp_gradients():
-    cfg = q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, grad_rotation=16, stats_dtype="bfloat16",
-                       bit_policy=(("embed/*", 8, 8), ("head/*", 8, None)), **SMALL)
+    cfg = q.QSDPConfig(
+        weight_mode="comm",
+        weight_bits=4,
+        grad_bits=4,
+        grad_rotation=16,
+        stats_dtype="bfloat16",
+        bit_policy=(("embed/*", 8, 8), ("head/*", 8, None)),
+        **SMALL,
+    )
     assert cfg.buffer_config(8, 8).grad_rotation == 16
     assert cfg.buffer_config(8, 8).stats_dtype == "bfloat16"
     assert cfg.buffer_config(8, None).grad_rotation is None

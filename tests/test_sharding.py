@@ -17,11 +17,15 @@ def _params():
     r = np.random.default_rng(0)
     return {
         "odd": {"m": jnp.asarray(r.normal(size=(7, 13)), jnp.float32)},
-        "mixed": {"w": jnp.asarray(r.normal(size=(40, 30)), jnp.float32),
-                  "b": jnp.asarray(r.normal(size=(30,)), jnp.float32),
-                  "ids": jnp.arange(5)},
-        "blocks": {"w": jnp.asarray(r.normal(size=(3, 20, 20)), jnp.float32),
-                   "s": jnp.asarray(r.normal(size=(3, 20)), jnp.float32)},
+        "mixed": {
+            "w": jnp.asarray(r.normal(size=(40, 30)), jnp.float32),
+            "b": jnp.asarray(r.normal(size=(30,)), jnp.float32),
+            "ids": jnp.arange(5),
+        },
+        "blocks": {
+            "w": jnp.asarray(r.normal(size=(3, 20, 20)), jnp.float32),
+            "s": jnp.asarray(r.normal(size=(3, 20)), jnp.float32),
+        },
     }
 
 
@@ -47,7 +51,9 @@ def test_mesh_errors():
 
 
 def test_layout_shards_each_leaf_on_its_first_dividing_dimension():
-    with pytest.warns(UserWarning, match=r"blocks/w \(20, 20\).*odd/m \(7, 13\).*divide over 8 devices on no dimension"):
+    with pytest.warns(
+        UserWarning, match=r"blocks/w \(20, 20\).*odd/m \(7, 13\).*divide over 8 devices on no dimension"
+    ):
         lay = ParamLayout.create(_params(), num_shards=8, bucket=16, min_shard_size=64, stacked=("blocks",))
     odd = lay.group("odd")
     assert not odd.leaves[0].sharded and not odd.buffers  # 7x13 divides nowhere: replicated
@@ -84,9 +90,13 @@ def test_pack_unpack_roundtrip_inside_shard_map():
     from qsdp_jax._src import packing
 
     r = np.random.default_rng(3)
-    params = {"g": {"a": jnp.asarray(r.normal(size=(16, 6)), jnp.float32),
-                    "b": jnp.asarray(r.normal(size=(5, 24)), jnp.float32),
-                    "c": jnp.asarray(r.normal(size=(2, 3, 8)), jnp.float32)}}
+    params = {
+        "g": {
+            "a": jnp.asarray(r.normal(size=(16, 6)), jnp.float32),
+            "b": jnp.asarray(r.normal(size=(5, 24)), jnp.float32),
+            "c": jnp.asarray(r.normal(size=(2, 3, 8)), jnp.float32),
+        }
+    }
     lay = ParamLayout.create(params, 8, 16, 8)
     g = lay.group("g")
     assert [x.dim for x in g.leaves] == [0, 1, 2]
@@ -101,8 +111,9 @@ def test_pack_unpack_roundtrip_inside_shard_map():
         got = packing.unpack(buf, full, 8, [x.dim for x in leaves], [x.shape for x in leaves])
         return jax.tree.unflatten(g.treedef, [got[i] for i in range(3)])
 
-    out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(lay.specs("fsdp"),), out_specs=P(),
-                                check_vma=False))(placed)
+    out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(lay.specs("fsdp"),), out_specs=P(), check_vma=False))(
+        placed
+    )
     chex.assert_trees_all_equal(out, params["g"])
 
 

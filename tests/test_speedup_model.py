@@ -53,10 +53,23 @@ def test_ring_scaling():
 
 def test_predict_grid_by_hand():
     # 8 GB volume (7 GB on 8 devices) for fp32, 2 GB for W8G8; 1e9 FLOP/token; 2 layers.
-    measured = {"m": {"n_devices": 8, "n_layers": 2, "flops_per_token": 1e9,
-                      "bytes_per_device": {"fp32": 7e9, "qsdp-W8G8": 1.75e9}}}
-    rows = sm.predict_grid(measured, schemes=("fp32", "qsdp-W8G8"), bandwidths_gbit=(100,),
-                           nodes=(2,), gpus_per_node=8, rate=1e13, global_batch_tokens=16e3)
+    measured = {
+        "m": {
+            "n_devices": 8,
+            "n_layers": 2,
+            "flops_per_token": 1e9,
+            "bytes_per_device": {"fp32": 7e9, "qsdp-W8G8": 1.75e9},
+        }
+    }
+    rows = sm.predict_grid(
+        measured,
+        schemes=("fp32", "qsdp-W8G8"),
+        bandwidths_gbit=(100,),
+        nodes=(2,),
+        gpus_per_node=8,
+        rate=1e13,
+        global_batch_tokens=16e3,
+    )
     by = {r["scheme"]: r for r in rows}
     fp, q = by["fp32"], by["qsdp-W8G8"]
     # 16k tokens / 16 GPUs = 1000 tokens -> 1e12 FLOPs -> 0.1 s
@@ -72,20 +85,23 @@ def test_predict_grid_by_hand():
     assert fp["speedup_vs_fp32"] == 1.0 and q["speedup_vs_bf16"] is None
 
 
-@pytest.mark.parametrize("call", [
-    lambda: sm.comm_time(1e9, -1e9),
-    lambda: sm.comm_time(1e9, 0),
-    lambda: sm.comm_time(-1, 1e9),
-    lambda: sm.compute_time(1e12, 0),
-    lambda: sm.compute_time(float("nan"), 1e12),
-    lambda: sm.predict_step_time(1e9, 1e12, 1e13, -100e9, overlap=False),
-    lambda: sm.predict_step_time(1e9, 1e12, 1e13, 100e9, overlap=True, exposed_fraction=1.5),
-    lambda: sm.predict_step_time(1e9, 1e12, 1e13, 100e9, overlap="yes"),
-    lambda: sm.ring_factor(0),
-    lambda: sm.link_bytes_per_step(1e9, 0, 8),
-    lambda: sm.link_bytes_per_step(1e9, 2, 8, "tree"),
-    lambda: sm.tokens_per_gpu(-5, 8),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: sm.comm_time(1e9, -1e9),
+        lambda: sm.comm_time(1e9, 0),
+        lambda: sm.comm_time(-1, 1e9),
+        lambda: sm.compute_time(1e12, 0),
+        lambda: sm.compute_time(float("nan"), 1e12),
+        lambda: sm.predict_step_time(1e9, 1e12, 1e13, -100e9, overlap=False),
+        lambda: sm.predict_step_time(1e9, 1e12, 1e13, 100e9, overlap=True, exposed_fraction=1.5),
+        lambda: sm.predict_step_time(1e9, 1e12, 1e13, 100e9, overlap="yes"),
+        lambda: sm.ring_factor(0),
+        lambda: sm.link_bytes_per_step(1e9, 0, 8),
+        lambda: sm.link_bytes_per_step(1e9, 2, 8, "tree"),
+        lambda: sm.tokens_per_gpu(-5, 8),
+    ],
+)
 def test_argument_validation(call):
     with pytest.raises(ValueError):
         call()
@@ -101,13 +117,31 @@ def test_check_against_fake_network(tmp_path):
     runs = [
         # unshaped: compute-only times
         {"config": "fp32", "bandwidth_mbit": None, "step_time_s": 0.5, "bytes_per_step": 2.5e6, "n_processes": 2},
-        {"config": "qsdp-W8G8", "bandwidth_mbit": None, "step_time_s": 0.6, "bytes_per_step": 0.625e6,
-         "n_processes": 2, "extra": "ignored"},
+        {
+            "config": "qsdp-W8G8",
+            "bandwidth_mbit": None,
+            "step_time_s": 0.6,
+            "bytes_per_step": 0.625e6,
+            "n_processes": 2,
+            "extra": "ignored",
+        },
         # fp32 at 100 Mbit/s: 2 * 2.5e6 B * 8 / 1e8 = 0.4 s of comm -> predicted 0.9 s
         {"config": "fp32", "bandwidth_mbit": 100, "step_time_s": 1.0, "bytes_per_step": 2.5e6, "n_processes": 2},
         # W8G8 at 100 Mbit/s: 2 * 0.625e6 * 8 / 1e8 = 0.1 s -> predicted 0.7 s (two repeats, median 0.7)
-        {"config": "qsdp-W8G8", "bandwidth_mbit": 100, "step_time_s": 0.65, "bytes_per_step": 0.625e6, "n_processes": 2},
-        {"config": "qsdp-W8G8", "bandwidth_mbit": 100, "step_time_s": 0.75, "bytes_per_step": 0.625e6, "n_processes": 2},
+        {
+            "config": "qsdp-W8G8",
+            "bandwidth_mbit": 100,
+            "step_time_s": 0.65,
+            "bytes_per_step": 0.625e6,
+            "n_processes": 2,
+        },
+        {
+            "config": "qsdp-W8G8",
+            "bandwidth_mbit": 100,
+            "step_time_s": 0.75,
+            "bytes_per_step": 0.625e6,
+            "n_processes": 2,
+        },
         # no unshaped bf16 run: reported as unmatched
         {"config": "bf16", "bandwidth_mbit": 100, "step_time_s": 0.7, "bytes_per_step": 1.25e6, "n_processes": 2},
     ]
@@ -137,10 +171,18 @@ def test_check_rejects_bad_schema(tmp_path):
 
 
 def test_table_and_plot(tmp_path):
-    measured = {"gpt-1.3b": {"n_params": 1.3e9, "n_devices": 8, "n_layers": 24, "flops_per_token": 8e9,
-                             "bytes_per_device": {"fp32": 14e9, "qsdp-W8G8": 3.5e9, "qsdp-W4G4": 1.75e9}}}
-    rows = sm.predict_grid(measured, schemes=("fp32", "qsdp-W8G8", "qsdp-W4G4"),
-                           bandwidths_gbit=(10, 100), nodes=(2, 4))
+    measured = {
+        "gpt-1.3b": {
+            "n_params": 1.3e9,
+            "n_devices": 8,
+            "n_layers": 24,
+            "flops_per_token": 8e9,
+            "bytes_per_device": {"fp32": 14e9, "qsdp-W8G8": 3.5e9, "qsdp-W4G4": 1.75e9},
+        }
+    }
+    rows = sm.predict_grid(
+        measured, schemes=("fp32", "qsdp-W8G8", "qsdp-W4G4"), bandwidths_gbit=(10, 100), nodes=(2, 4)
+    )
     assert len(rows) == 2 * 2 * 3
     text = sm.table(rows, measured, ("fp32", "qsdp-W8G8", "qsdp-W4G4"))
     assert "gpt-1.3b" in text and "W4G4" in text

@@ -8,8 +8,20 @@ import pytest
 from experiments.convergence import stats
 
 # two-sided 95% critical values t_{0.975, df}, as printed in standard tables
-T975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 6: 2.4469, 9: 2.2622,
-        10: 2.2281, 20: 2.0860, 30: 2.0423, 60: 2.0003, 120: 1.9799}
+T975 = {
+    1: 12.7062,
+    2: 4.3027,
+    3: 3.1824,
+    4: 2.7764,
+    5: 2.5706,
+    6: 2.4469,
+    9: 2.2622,
+    10: 2.2281,
+    20: 2.0860,
+    30: 2.0423,
+    60: 2.0003,
+    120: 1.9799,
+}
 
 
 @pytest.mark.parametrize("df,expected", sorted(T975.items()))

@@ -1,4 +1,5 @@
 """Tests for experiments.shelf.timing (deterministic: fake clock, fake callables)."""
+
 import math
 import subprocess
 import sys
@@ -153,8 +154,12 @@ def test_median_ratio_and_format():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(fns={}, repeats=1), dict(fns={"a": 1}, repeats=1), dict(fns={"a": lambda: 0}, repeats=0),
-     dict(fns={"a": lambda: 0}, repeats=1, warmup=-1)],
+    [
+        dict(fns={}, repeats=1),
+        dict(fns={"a": 1}, repeats=1),
+        dict(fns={"a": lambda: 0}, repeats=0),
+        dict(fns={"a": lambda: 0}, repeats=1, warmup=-1),
+    ],
 )
 def test_argument_validation(kwargs):
     with pytest.raises((ValueError, TypeError)):

@@ -60,10 +60,11 @@ def test_qsdp_gather_is_lossless_on_every_device(mesh, rounding):
         for dev in range(N):
             for name, got in (("embed", aux["embed"][dev]), ("head", aux["head"][dev])):
                 np.testing.assert_array_equal(
-                    np.asarray(got).view(np.uint32), np.asarray(held[name]["w"]).view(np.uint32))
+                    np.asarray(got).view(np.uint32), np.asarray(held[name]["w"]).view(np.uint32)
+                )
             np.testing.assert_array_equal(
-                np.asarray(aux["blocks"][dev]).view(np.uint32),
-                np.asarray(held["blocks"]["w"]).view(np.uint32))
+                np.asarray(aux["blocks"][dev]).view(np.uint32), np.asarray(held["blocks"]["w"]).view(np.uint32)
+            )
         # and the weights really are 4-bit: at most 16 values per bucket
         flat = np.asarray(new_state.params["blocks"]["w"])[0].reshape(-1)[:BUCKET]  # one bucket
         assert len(np.unique(flat)) <= 16
@@ -115,8 +116,7 @@ def test_layers_are_gathered_one_at_a_time(mesh):
     state, step, _ = _setup(mesh, cfg)
     report = comm.comm_report(step, state, toymodel.batch(0))
     one_layer = N * payload_size(state.layout.group("blocks").buffers[0].chunk, 8, BUCKET)
-    in_loops = [c for c in report.collectives
-                if c.kind == "all-gather" and c.count == toymodel.L]
+    in_loops = [c for c in report.collectives if c.kind == "all-gather" and c.count == toymodel.L]
     assert len(in_loops) == 2  # forward loop and rematerialising backward loop
     assert all(c.payload_bytes == one_layer for c in in_loops)
 
@@ -201,8 +201,12 @@ def test_eval_step_sees_training_weights(mesh):
 
 def test_training_reduces_loss_in_every_mode(mesh):
     b = toymodel.batch(0)
-    for cfg in (q.QSDPConfig.fp32(**SMALL), q.QSDPConfig.bf16(**SMALL), q.QSDPConfig.qsdp(8, 8, **SMALL),
-                q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, **SMALL)):
+    for cfg in (
+        q.QSDPConfig.fp32(**SMALL),
+        q.QSDPConfig.bf16(**SMALL),
+        q.QSDPConfig.qsdp(8, 8, **SMALL),
+        q.QSDPConfig(weight_mode="comm", weight_bits=4, grad_bits=4, **SMALL),
+    ):
         state, step, _ = _setup(mesh, cfg)
         first = None
         for _ in range(15):

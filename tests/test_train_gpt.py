@@ -16,8 +16,24 @@ from experiments.gpt import demo, train as tg
 from experiments.gpt.report import Progress
 
 DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
-SMALL = ["--d-model", "32", "--n-heads", "2", "--n-layers", "2", "--seq-len", "32", "--batch", "8",
-         "--bucket-size", "64", "--eval-batches", "1", "--data", str(DATA)]
+SMALL = [
+    "--d-model",
+    "32",
+    "--n-heads",
+    "2",
+    "--n-layers",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch",
+    "8",
+    "--bucket-size",
+    "64",
+    "--eval-batches",
+    "1",
+    "--data",
+    str(DATA),
+]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -29,8 +45,7 @@ def _metrics(out: Path) -> list[dict]:
 def run_dir(tmp_path_factory):
     """One QSDP W8G8 run through main() (12 steps, validation at 6 and 12)."""
     out = tmp_path_factory.mktemp("cli") / "run"
-    code = tg.main([*SMALL, "--steps", "12", "--eval-every", "6", "--lr", "1e-2", "--warmup", "2",
-                    "--out", str(out)])
+    code = tg.main([*SMALL, "--steps", "12", "--eval-every", "6", "--lr", "1e-2", "--warmup", "2", "--out", str(out)])
     assert code == 0
     return out
 
@@ -89,34 +104,44 @@ def test_overwrite_with_fp32_baseline(run_dir, tmp_path, capsys):
     out = tmp_path / "run"
     shutil.copytree(run_dir, out)
     (out / "notes.txt").write_text("kept")
-    assert tg.main([*SMALL, "--fp32", "--steps", "4", "--eval-every", "4", "--out", str(out),
-                    "--overwrite", "--quiet"]) == 0
+    assert (
+        tg.main([*SMALL, "--fp32", "--steps", "4", "--eval-every", "4", "--out", str(out), "--overwrite", "--quiet"])
+        == 0
+    )
     assert "fp32: train loss" in capsys.readouterr().out
     assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
     config = json.loads((out / "config.json").read_text())
     assert config["name"] == "fp32" and config["qsdp"]["weight_mode"] == "full"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["bytes_ratio_vs_fp32"] == 1.0
-    assert set(summary["wire_bytes_by_kind"]) <= {"all-gather/f32", "reduce-scatter/f32",
-                                                  "all-reduce/f32", "all-reduce/s32", "all-to-all/f32"}
+    assert set(summary["wire_bytes_by_kind"]) <= {
+        "all-gather/f32",
+        "reduce-scatter/f32",
+        "all-reduce/f32",
+        "all-reduce/s32",
+        "all-to-all/f32",
+    }
     assert (out / "notes.txt").read_text() == "kept"  # only the run's own files are replaced
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--weight-mode", "full", "--weight-bits", "8"], "--weight-mode full"),
-    (["--weight-mode", "comm", "--weight-bits", "none"], "needs --weight-bits"),
-    (["--fp32", "--grad-bits", "4"], "--fp32 is unquantized"),
-    (["--bf16", "--comm-dtype", "float32"], "--bf16 communicates in bfloat16"),
-    (["--fp32", "--bf16"], "not allowed with"),
-    (["--weight-bits", "9"], "1..8"),
-    (["--weight-bits", "1", "--weight-rounding", "shift"], "weight_bits=1"),
-    (["--bucket-size", "100"], "bucket_size=100"),
-    (["--d-model", "30", "--n-heads", "4"], "n_heads=4"),
-    (["--warmup", "50", "--steps", "10"], "warmup=50"),
-    (["--batch", "12"], "multiple of 8"),
-    (["--devices", "16", "--batch", "16"], "already set up with 8 device"),
-    (["--data", "/nonexistent/text.txt"], "no such file"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--weight-mode", "full", "--weight-bits", "8"], "--weight-mode full"),
+        (["--weight-mode", "comm", "--weight-bits", "none"], "needs --weight-bits"),
+        (["--fp32", "--grad-bits", "4"], "--fp32 is unquantized"),
+        (["--bf16", "--comm-dtype", "float32"], "--bf16 communicates in bfloat16"),
+        (["--fp32", "--bf16"], "not allowed with"),
+        (["--weight-bits", "9"], "1..8"),
+        (["--weight-bits", "1", "--weight-rounding", "shift"], "weight_bits=1"),
+        (["--bucket-size", "100"], "bucket_size=100"),
+        (["--d-model", "30", "--n-heads", "4"], "n_heads=4"),
+        (["--warmup", "50", "--steps", "10"], "warmup=50"),
+        (["--batch", "12"], "multiple of 8"),
+        (["--devices", "16", "--batch", "16"], "already set up with 8 device"),
+        (["--data", "/nonexistent/text.txt"], "no such file"),
+    ],
+)
 def test_bad_flags_exit_2_with_a_message(flags, message, tmp_path, capsys):
     out = tmp_path / "never"
     assert tg.main([*SMALL, "--steps", "10", *flags, "--out", str(out)]) == 2  # later flags win
@@ -128,8 +153,17 @@ def test_bad_flags_exit_2_with_a_message(flags, message, tmp_path, capsys):
 def test_help(capsys):
     assert tg.main(["--help"]) == 0
     text = capsys.readouterr().out
-    for flag in ("--preset", "--weight-bits", "--grad-bits", "--weight-mode", "--fp32", "--bf16",
-                 "--devices", "--overwrite", "--comm-dtype"):
+    for flag in (
+        "--preset",
+        "--weight-bits",
+        "--grad-bits",
+        "--weight-mode",
+        "--fp32",
+        "--bf16",
+        "--devices",
+        "--overwrite",
+        "--comm-dtype",
+    ):
         assert flag in text
 
 
@@ -178,10 +212,8 @@ def test_progress_plain_lines_when_not_a_tty():
 
 
 def test_demo_comparison_table():
-    fp32 = dict(name="fp32", val_loss=2.0, train_loss=1.9, wire_bytes_per_step=4 * 2**20,
-                tokens_per_s=20000.0)
-    qsdp = dict(name="qsdp-W8G8", val_loss=2.02, train_loss=1.919, wire_bytes_per_step=2**20,
-                tokens_per_s=15000.0)
+    fp32 = dict(name="fp32", val_loss=2.0, train_loss=1.9, wire_bytes_per_step=4 * 2**20, tokens_per_s=20000.0)
+    qsdp = dict(name="qsdp-W8G8", val_loss=2.02, train_loss=1.919, wire_bytes_per_step=2**20, tokens_per_s=15000.0)
     table = demo.comparison_table(fp32, qsdp)
     lines = table.splitlines()
     assert "fp32 FSDP" in lines[0] and "qsdp-W8G8" in lines[0]

@@ -1,6 +1,7 @@
 """The trainer on several processes and on 2-D meshes: 2 processes x 4 CPU devices (gloo,
 localhost) train to the same losses as 1 process x 8 devices; mesh and per-level-bits flags;
 bad mesh input gives a usage error."""
+
 import json
 import re
 from pathlib import Path
@@ -11,17 +12,37 @@ from experiments.gpt import train as tg
 from experiments.shelf.multiproc import run_processes
 
 DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
-SMALL = ["--d-model", "32", "--n-heads", "2", "--n-layers", "2", "--seq-len", "32", "--batch", "8",
-         "--bucket-size", "64", "--eval-batches", "1", "--data", str(DATA), "--steps", "3",
-         "--eval-every", "3", "--no-fp32-ratio", "--quiet"]
+SMALL = [
+    "--d-model",
+    "32",
+    "--n-heads",
+    "2",
+    "--n-layers",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch",
+    "8",
+    "--bucket-size",
+    "64",
+    "--eval-batches",
+    "1",
+    "--data",
+    str(DATA),
+    "--steps",
+    "3",
+    "--eval-every",
+    "3",
+    "--no-fp32-ratio",
+    "--quiet",
+]
 
 
 def _losses(out: Path) -> list[float]:
     return [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-TWO_LEVEL = ["--weight-bits", "8", "--grad-bits", "8", "--mesh", "node=2,local=4",
-             "--inter-grad-bits", "4"]
+TWO_LEVEL = ["--weight-bits", "8", "--grad-bits", "8", "--mesh", "node=2,local=4", "--inter-grad-bits", "4"]
 
 
 def test_two_processes_match_one(tmp_path):
@@ -34,10 +55,14 @@ def test_two_processes_match_one(tmp_path):
     trainer compiles with the defaults (XLA_FLAGS=--xla_backend_optimization_level=0 did not
     change these numbers; whether it reached the compiler was not checked). The two processes agree with each other bit for bit."""
     two = tmp_path / "two"
-    res = run_processes("tests.trainer_worker", "train", num_processes=2, devices_per_process=4,
-                        kwargs={"argvs": [[*SMALL, *TWO_LEVEL, "--out", str(two),
-                                             "--process-logs", str(tmp_path / "logs")]]},
-                        timeout_s=300)
+    res = run_processes(
+        "tests.trainer_worker",
+        "train",
+        num_processes=2,
+        devices_per_process=4,
+        kwargs={"argvs": [[*SMALL, *TWO_LEVEL, "--out", str(two), "--process-logs", str(tmp_path / "logs")]]},
+        timeout_s=300,
+    )
     one = tmp_path / "one"
     assert tg.main([*SMALL, *TWO_LEVEL, "--out", str(one)]) == 0
     assert [r["process_index"] for r in res] == [0, 1]
@@ -63,15 +88,18 @@ def test_two_processes_match_one(tmp_path):
     assert sum(by_axis.values()) == pytest.approx(summary["wire_bytes_per_step"])
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--mesh", "rack=2,local=4"], "unknown outer axis 'rack'"),
-    (["--mesh", "node=3,local=4"], "do not factor into node x local = 3 x 4"),
-    (["--mesh", "node,local"], "give the sizes with one process"),
-    (["--mesh", "node=2,local=x"], "must be a positive integer"),
-    (["--inter-grad-bits", "4"], "inter_grad_bits=4 is invalid: must be None on a 1-D mesh"),
-    (["--mesh", "replica=2,fsdp=4", "--inter-weight-bits", "4"], "inter_weight_bits"),
-    (["--num-processes", "2", "--process-id", "0"], "needs a coordinator"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--mesh", "rack=2,local=4"], "unknown outer axis 'rack'"),
+        (["--mesh", "node=3,local=4"], "do not factor into node x local = 3 x 4"),
+        (["--mesh", "node,local"], "give the sizes with one process"),
+        (["--mesh", "node=2,local=x"], "must be a positive integer"),
+        (["--inter-grad-bits", "4"], "inter_grad_bits=4 is invalid: must be None on a 1-D mesh"),
+        (["--mesh", "replica=2,fsdp=4", "--inter-weight-bits", "4"], "inter_weight_bits"),
+        (["--num-processes", "2", "--process-id", "0"], "needs a coordinator"),
+    ],
+)
 def test_bad_mesh_and_cluster_flags(flags, message, tmp_path, capsys, monkeypatch):
     for var in ("QSDP_COORDINATOR", "SLURM_JOB_ID", "JAX_COORDINATOR_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
@@ -106,20 +134,31 @@ def test_two_level_trainer_step_exports_for_tpu_and_cuda():
     import qsdp_jax as q
     from experiments.gpt.trainer import RunConfig, Trainer
 
-    cfg = q.QSDPConfig.qsdp(8, 8, bucket_size=64, inter_grad_bits=4, node_axis="node",
-                            axis_name="local", min_shard_size=512)
-    run = RunConfig(qsdp=cfg, preset="tiny", seq_len=32, steps=2, batch_size=8,
-                    model_overrides=(("d_model", 32), ("n_heads", 2), ("n_layers", 2)),
-                    data_path=str(DATA), eval_batches=1, mesh=(("node", 2), ("local", 4)))
+    cfg = q.QSDPConfig.qsdp(
+        8, 8, bucket_size=64, inter_grad_bits=4, node_axis="node", axis_name="local", min_shard_size=512
+    )
+    run = RunConfig(
+        qsdp=cfg,
+        preset="tiny",
+        seq_len=32,
+        steps=2,
+        batch_size=8,
+        model_overrides=(("d_model", 32), ("n_heads", 2), ("n_layers", 2)),
+        data_path=str(DATA),
+        eval_batches=1,
+        mesh=(("node", 2), ("local", 4)),
+    )
     trainer = Trainer(run)
     batch = trainer.batch(0)
     for platform in ("tpu", "cuda"):
-        exported = jax.export.export(trainer.step_fn._jitted, platforms=[platform])(
-            trainer.state, batch)
+        exported = jax.export.export(trainer.step_fn._jitted, platforms=[platform])(trainer.state, batch)
         text = exported.mlir_module()
         assert exported.platforms == (platform,)
-        ops = re.findall(r'"stablehlo\.(all_to_all|all_gather)"[^\n]*?replica_groups = '
-                         r'dense<(\[\[[^>]*\]\])>[^\n]*?-> tensor<[^>]*x(ui8|f32)>', text)
+        ops = re.findall(
+            r'"stablehlo\.(all_to_all|all_gather)"[^\n]*?replica_groups = '
+            r"dense<(\[\[[^>]*\]\])>[^\n]*?-> tensor<[^>]*x(ui8|f32)>",
+            text,
+        )
         inter, intra = "[[0, 4], [1, 5], [2, 6], [3, 7]]", "[[0, 1, 2, 3], [4, 5, 6, 7]]"
         for kind in ("all_to_all", "all_gather"):  # gradients, weights: packed u8 at both levels
             assert (kind, inter, "ui8") in ops and (kind, intra, "ui8") in ops, (kind, ops)
@@ -133,15 +172,40 @@ def test_two_processes_stop_resume_and_overwrite_checkpoints(tmp_path):
     to the same losses and leaves only its own checkpoints."""
     from qsdp_jax.checkpoint import Checkpointer
 
-    argv = [*SMALL[:-6], "--steps", "6", "--eval-every", "6", "--no-fp32-ratio", "--quiet",
-            "--weight-bits", "8", "--grad-bits", "8", "--lr", "1e-2", "--warmup", "1", "--keep", "2"]
+    argv = [
+        *SMALL[:-6],
+        "--steps",
+        "6",
+        "--eval-every",
+        "6",
+        "--no-fp32-ratio",
+        "--quiet",
+        "--weight-bits",
+        "8",
+        "--grad-bits",
+        "8",
+        "--lr",
+        "1e-2",
+        "--warmup",
+        "1",
+        "--keep",
+        "2",
+    ]
     straight, out = tmp_path / "straight", tmp_path / "ckpt"
-    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}  # later runs skip compiling
-    res = run_processes("tests.trainer_worker", "stop_resume_overwrite", num_processes=2,
-                        devices_per_process=4, timeout_s=400, extra_env=cache,
-                        kwargs={"argv": argv, "straight": str(straight), "out": str(out), "stop_at": 3})
+    cache = {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }  # later runs skip compiling
+    res = run_processes(
+        "tests.trainer_worker",
+        "stop_resume_overwrite",
+        num_processes=2,
+        devices_per_process=4,
+        timeout_s=400,
+        extra_env=cache,
+        kwargs={"argv": argv, "straight": str(straight), "out": str(out), "stop_at": 3},
+    )
     assert [r["process_index"] for r in res] == [0, 1]
     for r in res:
         assert r["stopped"] is not None and "SIGTERM at step 3/6" in r["stopped"], r["stopped"]

@@ -1,5 +1,6 @@
 """Worker for tests/test_trainer_cluster.py, run in each process by experiments.shelf.multiproc:
 trainer CLI runs, one after the other; returns this process's view of each."""
+
 import jax
 
 from experiments.gpt import train as tg
@@ -10,10 +11,10 @@ def train(argvs: list[list[str]]) -> dict:
     runs = []
     for argv in argvs:
         result = tg.run_cli(parse_args(argv), print_summary=False)
-        runs.append({"losses": [h.loss for h in result.history], "val_loss": result.val_loss,
-                     "n_devices": result.n_devices})
-    return {"process_index": jax.process_index(), "process_count": jax.process_count(),
-            "runs": runs}
+        runs.append(
+            {"losses": [h.loss for h in result.history], "val_loss": result.val_loss, "n_devices": result.n_devices}
+        )
+    return {"process_index": jax.process_index(), "process_count": jax.process_count(), "runs": runs}
 
 
 def stop_resume_overwrite(argv: list[str], straight: str, out: str, stop_at: int) -> dict:

@@ -19,41 +19,56 @@ OUT = ROOT / "docs" / "results" / "generated"
 
 def _comm(doc: dict) -> str:
     from experiments.bench.comm import table
+
     return table(doc["results"])
 
 
 def _memory(doc: dict) -> str:
     from experiments.bench.memory import table
+
     return table(doc["rows"])
 
 
 def _overhead(doc: dict) -> str:
     from experiments.bench.overhead import table
+
     return table(doc)
 
 
 def _kernels(doc: dict) -> str:
     from experiments.bench.kernels import table
+
     return table(doc)
 
 
 def _network(doc: dict) -> str:
     from experiments.shelf.network_results import format_table
+
     return format_table(doc)
 
 
 def _twolevel(doc: dict) -> str:
     from experiments.bench.twolevel import axis_table, step_table
-    return (step_table(doc, doc["bytes_by_axis"], doc["devices_per_process"]) + "\n\n"
-            + "wire bytes per device per step, by the mesh axes each collective spans:\n"
-            + axis_table(doc["bytes_by_axis"]))
+
+    return (
+        step_table(doc, doc["bytes_by_axis"], doc["devices_per_process"])
+        + "\n\n"
+        + "wire bytes per device per step, by the mesh axes each collective spans:\n"
+        + axis_table(doc["bytes_by_axis"])
+    )
 
 
 def _speedup(doc: dict) -> str:
     from experiments.bench.speedup_model import check_table, table
+
     schemes = sorted({r["scheme"] for r in doc["predictions"]}, key=lambda s: (s != "fp32", s))
-    return "\n".join([table(doc["predictions"], doc["measured"], schemes),
-                      check_table(doc["network_check"]), check_table(doc["network_check_overlap"])])
+    return "\n".join(
+        [
+            table(doc["predictions"], doc["measured"], schemes),
+            check_table(doc["network_check"]),
+            check_table(doc["network_check_overlap"]),
+        ]
+    )
 
 
 # generated page name -> (results file, renderer)

@@ -4,6 +4,7 @@ Run inside jax.distributed workers (``run_processes`` has already called
 ``jax.distributed.initialize``).  Every process runs the same code, as the
 multi-controller model requires.
 """
+
 from __future__ import annotations
 
 import time
@@ -42,7 +43,10 @@ def _setup(num_bytes: int, dtype_name: str, mesh):
     gather = jax.jit(
         jax.shard_map(
             lambda a: jax.lax.all_gather(a, AXIS, tiled=True),
-            mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False,
+            mesh=mesh,
+            in_specs=P(AXIS),
+            out_specs=P(),
+            check_vma=False,
         )
     )
     return x, gather, n, dtype

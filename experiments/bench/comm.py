@@ -94,14 +94,15 @@ def main(argv=None) -> int:
     results = []
     for preset in args.presets:
         results.append(
-            measure(preset, args.schemes, n_devices=args.devices, bucket=args.bucket,
-                    batch_size=args.batch, verbose=True)
+            measure(
+                preset, args.schemes, n_devices=args.devices, bucket=args.bucket, batch_size=args.batch, verbose=True
+            )
         )
     wall = time.perf_counter() - t0
     record = {
         "command": " ".join(["python -m experiments.bench.comm", *map(shlex.quote, raw)]),
         "what": "wire bytes per device per step of the compiled (not run) GPT train step, "
-                "from qsdp_jax.comm.comm_report (ring model)",
+        "from qsdp_jax.comm.comm_report (ring model)",
         "n_devices": args.devices,
         "bucket_size": args.bucket,
         "batch_sequences": args.batch,

@@ -39,16 +39,27 @@ def check_kernels(out_dir: Path, bits_list=tuple(range(1, 9))) -> dict:
     def ref(x, key, bits, bucket, rounding):
         qt = qz.quantize(x, bits, bucket, rounding, key)
         v = qt.dequantize()
-        return (qz.pack_bits(qt.codes, bits), qt.scales, qt.offsets, v, qc.sum_rows(v),
-                qz.quantize_on_grid(v + 1e-3, qt.scales, qt.offsets, bits, bucket).dequantize())
+        return (
+            qz.pack_bits(qt.codes, bits),
+            qt.scales,
+            qt.offsets,
+            v,
+            qc.sum_rows(v),
+            qz.quantize_on_grid(v + 1e-3, qt.scales, qt.offsets, bits, bucket).dequantize(),
+        )
 
     def kern(x, key, bits, bucket, rounding):
         p, s, o = qk.quantize_pack(x, bits, bucket, rounding, key, target=target)
         v, _, _ = qk.project(x, bits, bucket, rounding, key, target=target)
         n = x.shape[-1]
-        return (p, s, o, qk.unpack_dequantize(p, s, o, bits, bucket, n, target=target),
-                qk.unpack_dequantize_sum(p, s, o, bits, bucket, n, target=target),
-                qk.snap(v + 1e-3, s, o, bits, bucket, target=target))
+        return (
+            p,
+            s,
+            o,
+            qk.unpack_dequantize(p, s, o, bits, bucket, n, target=target),
+            qk.unpack_dequantize_sum(p, s, o, bits, bucket, n, target=target),
+            qk.snap(v + 1e-3, s, o, bits, bucket, target=target),
+        )
 
     names = ("packed", "scales", "offsets", "dequantized", "sum", "snap")
     rows: list[dict] = []
@@ -66,17 +77,32 @@ def check_kernels(out_dir: Path, bits_list=tuple(range(1, 9))) -> dict:
                 on_cpu = jax.jit(functools.partial(ref, **static))(jax.device_put(x, cpu), jax.device_put(key, cpu))
                 for name, g, d, c in zip(names, got, on_dev, on_cpu):
                     g, d, c = np.asarray(g), np.asarray(d), np.asarray(c)
-                    rows.append({"bits": bits, "rounding": rounding, "bucket": bucket, "output": name,
-                                 "equal_device_ref": bool(np.array_equal(g, d)),
-                                 "equal_cpu_ref": bool(np.array_equal(g, c)),
-                                 "mismatches_device_ref": int(np.sum(g != d))})
-    out = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "target": target,
-           "checks": len(rows), "equal_device_ref": sum(r["equal_device_ref"] for r in rows),
-           "equal_cpu_ref": sum(r["equal_cpu_ref"] for r in rows), "rows": rows}
+                    rows.append(
+                        {
+                            "bits": bits,
+                            "rounding": rounding,
+                            "bucket": bucket,
+                            "output": name,
+                            "equal_device_ref": bool(np.array_equal(g, d)),
+                            "equal_cpu_ref": bool(np.array_equal(g, c)),
+                            "mismatches_device_ref": int(np.sum(g != d)),
+                        }
+                    )
+    out = {
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "target": target,
+        "checks": len(rows),
+        "equal_device_ref": sum(r["equal_device_ref"] for r in rows),
+        "equal_cpu_ref": sum(r["equal_cpu_ref"] for r in rows),
+        "rows": rows,
+    }
     (out_dir / "kernel_check.json").write_text(json.dumps(out, indent=1))
     bad = [r for r in rows if not r["equal_device_ref"]]
-    print(f"kernels ({target}): {out['equal_device_ref']}/{len(rows)} equal to the device reference, "
-          f"{out['equal_cpu_ref']}/{len(rows)} to the CPU reference")
+    print(
+        f"kernels ({target}): {out['equal_device_ref']}/{len(rows)} equal to the device reference, "
+        f"{out['equal_cpu_ref']}/{len(rows)} to the CPU reference"
+    )
     for r in bad[:20]:
         print("  differs:", r)
     return out
@@ -110,10 +136,23 @@ def time_step(out_dir: Path, preset: str = "small", batch: int = 8, repeats: int
             t0 = time.perf_counter()
             state, m = jax.block_until_ready(step(state, data))
             times.append(time.perf_counter() - t0)
-        rows.append({"config": name, "compile_and_first_s": first, "step_median_s": float(np.median(times)),
-                     "loss": float(m["loss"])})
-    out = {"backend": jax.default_backend(), "devices": jax.device_count(), "preset": preset,
-           "n_params": model.count_params(), "batch": batch, "seq_len": seq, "rows": rows}
+        rows.append(
+            {
+                "config": name,
+                "compile_and_first_s": first,
+                "step_median_s": float(np.median(times)),
+                "loss": float(m["loss"]),
+            }
+        )
+    out = {
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "preset": preset,
+        "n_params": model.count_params(),
+        "batch": batch,
+        "seq_len": seq,
+        "rows": rows,
+    }
     (out_dir / "step.json").write_text(json.dumps(out, indent=1))
     return out
 
@@ -123,8 +162,10 @@ def table(out_dir: Path) -> str:
     kc = out_dir / "kernel_check.json"
     if kc.exists():
         k = json.loads(kc.read_text())
-        lines.append(f"kernels [{k['target']} on {k['device']}]: {k['equal_device_ref']}/{k['checks']} bit-equal "
-                     f"to the device reference, {k['equal_cpu_ref']}/{k['checks']} to the CPU reference")
+        lines.append(
+            f"kernels [{k['target']} on {k['device']}]: {k['equal_device_ref']}/{k['checks']} bit-equal "
+            f"to the device reference, {k['equal_cpu_ref']}/{k['checks']} to the CPU reference"
+        )
     for bench in sorted(out_dir.glob("kernels_*.json")):
         b = json.loads(bench.read_text())
         lines.append(f"{'pass':24} {'mode':9} {'bits':>4} {'GB/s':>8} {'vs copy':>8}")
@@ -135,8 +176,10 @@ def table(out_dir: Path) -> str:
     if st.exists():
         s = json.loads(st.read_text())
         for r in s["rows"]:
-            lines.append(f"GPT {s['preset']} step {r['config']:10} {1e3 * r['step_median_s']:8.2f} ms "
-                         f"(first call {r['compile_and_first_s']:.1f} s, loss {r['loss']:.3f})")
+            lines.append(
+                f"GPT {s['preset']} step {r['config']:10} {1e3 * r['step_median_s']:8.2f} ms "
+                f"(first call {r['compile_and_first_s']:.1f} s, loss {r['loss']:.3f})"
+            )
     return "\n".join(lines)
 
 

@@ -46,8 +46,11 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", default=["auto"], choices=["auto", "reference", "interpret"])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--stages", action="store_true",
-                   help="also time the stages of grad_quantize_pack (the CPU floor: see stage_passes)")
+    p.add_argument(
+        "--stages",
+        action="store_true",
+        help="also time the stages of grad_quantize_pack (the CPU floor: see stage_passes)",
+    )
     args = p.parse_args(argv)
     if args.elements <= 0 or args.elements % (CHUNKS * args.bucket):
         p.error(f"--elements must be a positive multiple of {CHUNKS} * --bucket")
@@ -71,36 +74,66 @@ def passes(n: int, bits: int, bucket: int, mode: str):
     qt = jax.jit(lambda v: qz.quantize(v, bits, bucket, "nearest"))(x)
     on_grid = qt.dequantize()
     payload = qc.to_payload(qt)
-    payload_chunks = jax.jit(lambda v: qc.to_payload(qz.quantize(v.reshape(CHUNKS, -1), bits, bucket, "stochastic", key)))(x)
+    payload_chunks = jax.jit(
+        lambda v: qc.to_payload(qz.quantize(v.reshape(CHUNKS, -1), bits, bucket, "stochastic", key))
+    )(x)
     chunk = n // CHUNKS
 
     def grad_qp(v):
-        return qk.select(mode, lambda a: qc.to_payload(qz.quantize(a, bits, bucket, "stochastic", key), split=True),
-                         lambda a, target: qc.payload_from_packed(*qk.quantize_pack(a, bits, bucket, "stochastic", key, target=target)),
-                         v.reshape(CHUNKS, -1), bucket=bucket)
+        return qk.select(
+            mode,
+            lambda a: qc.to_payload(qz.quantize(a, bits, bucket, "stochastic", key), split=True),
+            lambda a, target: qc.payload_from_packed(
+                *qk.quantize_pack(a, bits, bucket, "stochastic", key, target=target)
+            ),
+            v.reshape(CHUNKS, -1),
+            bucket=bucket,
+        )
 
     def weight_qp(v, s, o):
         return qc.quantize_payload(v, bits=bits, bucket=bucket, grid=(s, o), kernels=mode)
 
     def unpack(p):
-        return qk.select(mode, lambda a: qc.dequantize_rows(a, n, bits, bucket),
-                         lambda a, target: qk.unpack_dequantize(*qc.split_payload(a, n, bits, bucket), bits, bucket, n, target=target),
-                         p, bucket=bucket)
+        return qk.select(
+            mode,
+            lambda a: qc.dequantize_rows(a, n, bits, bucket),
+            lambda a, target: qk.unpack_dequantize(
+                *qc.split_payload(a, n, bits, bucket), bits, bucket, n, target=target
+            ),
+            p,
+            bucket=bucket,
+        )
 
     def unpack_sum(p):
-        return qk.select(mode, lambda a: qc.dequantize_rows(a, chunk, bits, bucket, summed=True),
-                         lambda a, target: qk.unpack_dequantize_sum(*qc.split_payload(a, chunk, bits, bucket), bits, bucket, chunk, target=target),
-                         p, bucket=bucket)
+        return qk.select(
+            mode,
+            lambda a: qc.dequantize_rows(a, chunk, bits, bucket, summed=True),
+            lambda a, target: qk.unpack_dequantize_sum(
+                *qc.split_payload(a, chunk, bits, bucket), bits, bucket, chunk, target=target
+            ),
+            p,
+            bucket=bucket,
+        )
 
     def project(v):
         def ref(a):
             q = qz.quantize(a, bits, bucket, "shift", key)
             return q.dequantize(), q.scales, q.offsets
-        return qk.select(mode, ref, lambda a, target: qk.project(a, bits, bucket, "shift", key, target=target), v, bucket=bucket)
+
+        return qk.select(
+            mode, ref, lambda a, target: qk.project(a, bits, bucket, "shift", key, target=target), v, bucket=bucket
+        )
 
     def snap(v, s, o):
-        return qk.select(mode, lambda a, s, o: qz.quantize_on_grid(a, s, o, bits, bucket).dequantize(),
-                         lambda a, s, o, target: qk.snap(a, s, o, bits, bucket, target=target), v, s, o, bucket=bucket)
+        return qk.select(
+            mode,
+            lambda a, s, o: qz.quantize_on_grid(a, s, o, bits, bucket).dequantize(),
+            lambda a, s, o, target: qk.snap(a, s, o, bits, bucket, target=target),
+            v,
+            s,
+            o,
+            bucket=bucket,
+        )
 
     stats = 8 * nb
     moved = on_grid + 1e-3
@@ -160,17 +193,27 @@ def measure(args) -> dict:
             copy_bw = fns["copy"][2] / res["copy"].median
             for name, (_, _, nbytes) in fns.items():
                 med = res[name].median
-                rows.append({
-                    "mode": mode, "bits": bits, "pass": name, "median_s": med, "iqr_s": res[name].iqr,
-                    "bytes": nbytes, "gb_per_s": nbytes / med / 1e9, "vs_copy": nbytes / med / copy_bw,
-                    "time_vs_cast": med / res["cast_bf16"].median,
-                })
+                rows.append(
+                    {
+                        "mode": mode,
+                        "bits": bits,
+                        "pass": name,
+                        "median_s": med,
+                        "iqr_s": res[name].iqr,
+                        "bytes": nbytes,
+                        "gb_per_s": nbytes / med / 1e9,
+                        "vs_copy": nbytes / med / copy_bw,
+                        "time_vs_cast": med / res["cast_bf16"].median,
+                    }
+                )
     return {
         "command": "python -m experiments.bench.kernels " + " ".join(sys.argv[1:]),
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
         "platform": f"{platform.machine()} {os.cpu_count()} cpus, jax {jax.__version__}",
-        "elements": args.elements, "bucket": args.bucket, "chunks": CHUNKS,
+        "elements": args.elements,
+        "bucket": args.bucket,
+        "chunks": CHUNKS,
         "targets": {"gpu_vs_copy": TARGET_GPU_VS_COPY, "cpu_quantize_pack_time_vs_cast": TARGET_CPU_VS_CAST},
         "rows": rows,
         "median_of": args.repeats,
@@ -180,11 +223,15 @@ def measure(args) -> dict:
 
 
 def table(out: dict) -> str:
-    lines = [f"{out['backend']} ({out['device']}), {out['elements']} float32 elements, bucket {out['bucket']}",
-             f"{'mode':9} {'bits':>4} {'pass':22} {'ms':>8} {'GB/s':>7} {'vs copy':>8} {'vs cast':>8}"]
+    lines = [
+        f"{out['backend']} ({out['device']}), {out['elements']} float32 elements, bucket {out['bucket']}",
+        f"{'mode':9} {'bits':>4} {'pass':22} {'ms':>8} {'GB/s':>7} {'vs copy':>8} {'vs cast':>8}",
+    ]
     for r in out["rows"]:
-        lines.append(f"{r['mode']:9} {r['bits']:>4} {r['pass']:22} {1e3 * r['median_s']:8.2f} "
-                     f"{r['gb_per_s']:7.2f} {r['vs_copy']:8.2f} {r['time_vs_cast']:8.2f}")
+        lines.append(
+            f"{r['mode']:9} {r['bits']:>4} {r['pass']:22} {1e3 * r['median_s']:8.2f} "
+            f"{r['gb_per_s']:7.2f} {r['vs_copy']:8.2f} {r['time_vs_cast']:8.2f}"
+        )
     return "\n".join(lines)
 
 

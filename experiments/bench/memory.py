@@ -74,8 +74,7 @@ def gspmd_units(model, params) -> list[int]:
     for group, tree in params.items():
         stacked = group in model.stacked_groups
         leaves = [a for a in jax.tree.leaves(tree) if a.sharding.spec != ()]
-        size = sum(math.prod(a.shape[1:] if stacked else a.shape) * np.dtype(a.dtype).itemsize
-                   for a in leaves)
+        size = sum(math.prod(a.shape[1:] if stacked else a.shape) * np.dtype(a.dtype).itemsize for a in leaves)
         if size:
             units += [size] * (model.cfg.n_layers if stacked else 1)
     return sorted(units, reverse=True)
@@ -100,8 +99,10 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
     mesh = q.make_mesh(devices=devices[:n_devices])
     model = GPT(GPTConfig.from_preset(model_name))
     t0 = time.perf_counter()
-    batch = {k: jax.ShapeDtypeStruct((batch_per_device * n_devices, model.cfg.seq_len), jnp.int32)
-             for k in ("inputs", "targets")}
+    batch = {
+        k: jax.ShapeDtypeStruct((batch_per_device * n_devices, model.cfg.seq_len), jnp.int32)
+        for k in ("inputs", "targets")
+    }
     state: tuple[Any, Any] | q.TrainState  # (params, opt_state) for GSPMD, else a TrainState
     if scheme == GSPMD:
         opt = optax.adam(1e-3)
@@ -111,21 +112,25 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
     else:
         cfg = q.QSDPConfig.from_name(scheme)
         opt = optim.qsdp(optax.adam(1e-3), cfg)
-        state = q.abstract_train_state(model.abstract_params(), opt, mesh, cfg,
-                                       stacked=model.stacked_groups)
+        state = q.abstract_train_state(model.abstract_params(), opt, mesh, cfg, stacked=model.stacked_groups)
         compiled = cast("Wrapped", q.make_train_step(model.loss, opt, mesh, cfg)).lower(state, batch).compile()
         units = layer_units(state.layout)
     m = compiled.memory_analysis()
-    peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes)
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
     state_bytes = per_device_bytes(state)
     return {
-        "model": model_name, "scheme": scheme, "n_devices": n_devices,
-        "n_params": model.count_params(), "batch_per_device": batch_per_device,
+        "model": model_name,
+        "scheme": scheme,
+        "n_devices": n_devices,
+        "n_params": model.count_params(),
+        "batch_per_device": batch_per_device,
         "seq_len": model.cfg.seq_len,
-        "peak_bytes": peak, "argument_bytes": m.argument_size_in_bytes,
-        "output_bytes": m.output_size_in_bytes, "alias_bytes": m.alias_size_in_bytes,
-        "temp_bytes": m.temp_size_in_bytes, "state_bytes": state_bytes,
+        "peak_bytes": peak,
+        "argument_bytes": m.argument_size_in_bytes,
+        "output_bytes": m.output_size_in_bytes,
+        "alias_bytes": m.alias_size_in_bytes,
+        "temp_bytes": m.temp_size_in_bytes,
+        "state_bytes": state_bytes,
         "largest_unit_bytes": units[0] if units else 0,
         "ideal_1_layer_bytes": state_bytes + sum(units[:1]),
         "ideal_2_layers_bytes": state_bytes + sum(units[:2]),
@@ -137,8 +142,10 @@ def table(rows: list[dict]) -> str:
     """One line per (model, scheme, devices); MB = 1e6 bytes per device. ``vs gspmd``: the
     peak over the gspmd row's peak of the same model and device count, where there is one."""
     gspmd = {(r["model"], r["n_devices"]): r["peak_bytes"] for r in rows if r["scheme"] == GSPMD}
-    head = (f"{'model':<9}{'params':>8} {'scheme':<10}{'dev':>4}{'state':>9}{'ideal 1-2 layers':>19}"
-            f"{'peak':>9}{'peak/ideal2':>12}{'temp':>9}{'vs gspmd':>10}")
+    head = (
+        f"{'model':<9}{'params':>8} {'scheme':<10}{'dev':>4}{'state':>9}{'ideal 1-2 layers':>19}"
+        f"{'peak':>9}{'peak/ideal2':>12}{'temp':>9}{'vs gspmd':>10}"
+    )
     lines = [head, "-" * len(head)]
     last = None
     for r in rows:
@@ -152,19 +159,23 @@ def table(rows: list[dict]) -> str:
             f"{r['model']:<9}{r['n_params'] / 1e6:>7.1f}M {r['scheme']:<10}{r['n_devices']:>4}"
             f"{r['state_bytes'] / MB:>9.1f}{ideal:>19}{r['peak_bytes'] / MB:>9.1f}"
             f"{r['peak_bytes'] / r['ideal_2_layers_bytes']:>11.2f}x{r['temp_bytes'] / MB:>9.1f}"
-            f"{vs:>10}")
-    lines += ["", "MB per device (1e6 B). state: sharded parameters + optimizer state + replicated "
-              "small leaves; ideal: state + the full fp32", "weights of the largest 1 or 2 gathered "
-              "units (a layer, or the embedding); peak: arguments + outputs - donated + temporaries",
-              "from compiled.memory_analysis(), one sequence per device; the rest of the peak is "
-              "activations and logits.", "vs gspmd: peak / the peak of the plain "
-              "jax.jit + NamedSharding FSDP step (experiments/shelf/gspmd_fsdp.py), same model and devices."]
+            f"{vs:>10}"
+        )
+    lines += [
+        "",
+        "MB per device (1e6 B). state: sharded parameters + optimizer state + replicated "
+        "small leaves; ideal: state + the full fp32",
+        "weights of the largest 1 or 2 gathered "
+        "units (a layer, or the embedding); peak: arguments + outputs - donated + temporaries",
+        "from compiled.memory_analysis(), one sequence per device; the rest of the peak is activations and logits.",
+        "vs gspmd: peak / the peak of the plain "
+        "jax.jit + NamedSharding FSDP step (experiments/shelf/gspmd_fsdp.py), same model and devices.",
+    ]
     return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench.memory",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.bench.memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES))
     p.add_argument("--devices", nargs="+", type=int, default=list(DEVICE_COUNTS))
@@ -184,14 +195,21 @@ def main(argv=None) -> int:
         for scheme in args.schemes:
             for n in sorted(args.devices):
                 r = measure(model, scheme, n, args.batch_per_device)
-                print(f"  {model:<9} {scheme:<10} {n} devices: peak {r['peak_bytes'] / MB:.1f} MB "
-                      f"({r['compile_s']:.1f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"  {model:<9} {scheme:<10} {n} devices: peak {r['peak_bytes'] / MB:.1f} MB "
+                    f"({r['compile_s']:.1f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 rows.append(r)
     text = table(rows)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"command": "python -m experiments.bench.memory " + " ".join(argv or sys.argv[1:]),
-              "rows": rows, "table": text}
+    record = {
+        "command": "python -m experiments.bench.memory " + " ".join(argv or sys.argv[1:]),
+        "rows": rows,
+        "table": text,
+    }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 

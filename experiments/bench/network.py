@@ -44,6 +44,7 @@ shaped namespaces are unavailable here (not root, no ``ip``/``tc``, restricted c
 130 on Ctrl-C.  Namespaces are always removed (also on failure / Ctrl-C / SIGTERM), after the
 worker processes are dead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,10 +94,15 @@ def _parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--bandwidths", nargs="+", default=list(DEFAULT_BANDWIDTHS),
-                   help="Mbit/s of the shaped loopback (total for all traffic), or 'none'")
-    p.add_argument("--no-netns", action="store_true",
-                   help="no namespace: only the unshaped measurement, on the host loopback")
+    p.add_argument(
+        "--bandwidths",
+        nargs="+",
+        default=list(DEFAULT_BANDWIDTHS),
+        help="Mbit/s of the shaped loopback (total for all traffic), or 'none'",
+    )
+    p.add_argument(
+        "--no-netns", action="store_true", help="no namespace: only the unshaped measurement, on the host loopback"
+    )
     p.add_argument("--num-processes", type=int, default=2)
     p.add_argument("--devices-per-process", type=int, default=1)
     p.add_argument("--configs", nargs="+", default=list(CONFIG_NAMES))
@@ -112,16 +118,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--burst-kb", type=float, default=512)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per bandwidth run")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--fast-compile", action="store_true",
-                   help="compile with XLA backend optimisation level 0 (smoke tests only: "
-                        "slower steps, not representative timings)")
+    p.add_argument(
+        "--fast-compile",
+        action="store_true",
+        help="compile with XLA backend optimisation level 0 (smoke tests only: "
+        "slower steps, not representative timings)",
+    )
     return p
 
 
 def _measure(bw, args, kwargs) -> dict[str, Any]:
     run = lambda ns: multiproc.run_processes(  # noqa: E731
-        WORKLOAD, "network_benchmark", args.num_processes, kwargs,
-        devices_per_process=args.devices_per_process, netns=ns, timeout_s=args.timeout,
+        WORKLOAD,
+        "network_benchmark",
+        args.num_processes,
+        kwargs,
+        devices_per_process=args.devices_per_process,
+        netns=ns,
+        timeout_s=args.timeout,
     )
     t0 = time.perf_counter()
     if args.no_netns:
@@ -130,12 +144,10 @@ def _measure(bw, args, kwargs) -> dict[str, Any]:
     else:
         # run_processes kills and reaps its workers before returning or raising, so the
         # namespace is empty when shaped_namespace deletes it (on every exit path).
-        with netns.shaped_namespace(name_prefix="qsdpbench", rate_mbit=bw, mtu=args.mtu,
-                                    burst_kb=args.burst_kb) as ns:
+        with netns.shaped_namespace(name_prefix="qsdpbench", rate_mbit=bw, mtu=args.mtu, burst_kb=args.burst_kb) as ns:
             ns_name = ns.name
             procs = run(ns)
-    return {"bandwidth_mbit": bw, "netns": ns_name, "processes": procs,
-            "wall_s": time.perf_counter() - t0}
+    return {"bandwidth_mbit": bw, "netns": ns_name, "processes": procs, "wall_s": time.perf_counter() - t0}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,8 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.no_netns:
         dropped = [b for b in bws if b is not None]
         if dropped:
-            print(f"--no-netns: skipping shaped bandwidths {dropped} (they need a namespace)",
-                  file=sys.stderr)
+            print(f"--no-netns: skipping shaped bandwidths {dropped} (they need a namespace)", file=sys.stderr)
         bws = [None]
     else:
         reason = netns.check_netns_support()
@@ -171,11 +182,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             seen.append(b)
     bws = seen
 
-    model = dict(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                 seq_len=args.seq_len, vocab_size=256)
-    kwargs = dict(model=model, batch_per_process=args.batch_per_process, configs=args.configs,
-                  repeats=args.repeats, warmup=args.warmup, seed=args.seed,
-                  compiler_options=FAST_COMPILE if args.fast_compile else None)
+    model = dict(
+        d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, seq_len=args.seq_len, vocab_size=256
+    )
+    kwargs = dict(
+        model=model,
+        batch_per_process=args.batch_per_process,
+        configs=args.configs,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        seed=args.seed,
+        compiler_options=FAST_COMPILE if args.fast_compile else None,
+    )
     meta = {
         "command": " ".join(["python -m experiments.bench.network", *(argv if argv is not None else sys.argv[1:])]),
         "n_processes": args.num_processes,
@@ -186,16 +204,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "fast_compile": bool(args.fast_compile),
-        "host": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
-                 "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
+        "host": {
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        },
     }
     t_start = time.perf_counter()
     measurements: list[dict] = []
     failed = False
     try:
         for bw in bws:
-            print(f"[bench.network] {bw_label(bw)}: starting {args.num_processes} processes "
-                  f"({'no namespace' if args.no_netns else 'in a network namespace'})...", flush=True)
+            print(
+                f"[bench.network] {bw_label(bw)}: starting {args.num_processes} processes "
+                f"({'no namespace' if args.no_netns else 'in a network namespace'})...",
+                flush=True,
+            )
             try:
                 m = _measure(bw, args, kwargs)
             except Exception as e:  # noqa: BLE001 - WorkerError, NetnsError: record, go on
@@ -205,8 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             measurements.append(m)
             cfgs = m["processes"][0]["configs"]
-            print(f"[bench.network] {bw_label(bw)}: done in {m['wall_s']:.0f} s; medians "
-                  + ", ".join(f"{n} {c['median_s']:.3f}s" for n, c in cfgs.items()), flush=True)
+            print(
+                f"[bench.network] {bw_label(bw)}: done in {m['wall_s']:.0f} s; medians "
+                + ", ".join(f"{n} {c['median_s']:.3f}s" for n, c in cfgs.items()),
+                flush=True,
+            )
     except KeyboardInterrupt:
         print("\n[bench.network] interrupted; workers killed, namespaces removed", file=sys.stderr)
         return 130

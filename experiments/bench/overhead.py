@@ -82,8 +82,7 @@ def main(argv=None) -> int:
     configs = {name: q.QSDPConfig.from_name(name) for name in qsdp_names}
     optimizers = {k: q.optim.qsdp(optax.adam(1e-4), c) for k, c in configs.items()}
     states: dict[str, Any] = {  # a TrainState per config; GSPMD's: (params, opt_state)
-        k: q.init_train_state(params, optimizers[k], mesh, c, stacked=model.stacked_groups)
-        for k, c in configs.items()
+        k: q.init_train_state(params, optimizers[k], mesh, c, stacked=model.stacked_groups) for k, c in configs.items()
     }
     # the plain GSPMD step, from the same parameters and with the same optimizer
     gspmd_opt = optax.adam(1e-4)
@@ -103,7 +102,7 @@ def main(argv=None) -> int:
     names = [*configs, GSPMD]
     compile_s: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.compiles):
-        for k in names[r % len(names):] + names[: r % len(names)]:
+        for k in names[r % len(names) :] + names[: r % len(names)]:
             step = make_step(k)
             t0 = time.perf_counter()
             lower(k, step).compile()
@@ -122,24 +121,27 @@ def main(argv=None) -> int:
 
         return call
 
-    results = time_alternating({k: runner(k) for k in names}, repeats=args.repeats, warmup=args.warmup,
-                               sync=jax.block_until_ready)
+    results = time_alternating(
+        {k: runner(k) for k in names}, repeats=args.repeats, warmup=args.warmup, sync=jax.block_until_ready
+    )
     med = {k: results[k].median for k in names}
     comp = {k: float(np.median(v)) for k, v in compile_s.items()}
     rows = []
     for k in names:
-        rows.append({
-            "config": k,
-            "step_median_s": med[k],
-            "step_iqr_s": results[k].iqr,
-            "step_samples_s": list(results[k].samples),
-            "compile_median_s": comp[k],
-            "compile_samples_s": compile_s[k],
-            "step_ratio_vs_fp32": med[k] / med["fp32"],
-            "compile_ratio_vs_fp32": comp[k] / comp["fp32"],
-            "step_ratio_vs_gspmd": med[k] / med[GSPMD],
-            "compile_ratio_vs_gspmd": comp[k] / comp[GSPMD],
-        })
+        rows.append(
+            {
+                "config": k,
+                "step_median_s": med[k],
+                "step_iqr_s": results[k].iqr,
+                "step_samples_s": list(results[k].samples),
+                "compile_median_s": comp[k],
+                "compile_samples_s": compile_s[k],
+                "step_ratio_vs_fp32": med[k] / med["fp32"],
+                "compile_ratio_vs_fp32": comp[k] / comp["fp32"],
+                "step_ratio_vs_gspmd": med[k] / med[GSPMD],
+                "compile_ratio_vs_gspmd": comp[k] / comp[GSPMD],
+            }
+        )
     out = {
         "command": "python -m experiments.bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv),
         "preset": args.preset,
@@ -151,8 +153,7 @@ def main(argv=None) -> int:
         "targets": {"step_ratio": TARGET_STEP_RATIO, "compile_ratio": TARGET_COMPILE_RATIO},
         "note": "simulated devices: collectives are in-process copies; ratios bound the compute cost of quantizing",
         "rows": rows,
-        "fp32_vs_gspmd": {"step_ratio": med["fp32"] / med[GSPMD],
-                          "compile_ratio": comp["fp32"] / comp[GSPMD]},
+        "fp32_vs_gspmd": {"step_ratio": med["fp32"] / med[GSPMD], "compile_ratio": comp["fp32"] / comp[GSPMD]},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.json").write_text(json.dumps(out, indent=1))
@@ -172,16 +173,18 @@ def table(out: dict) -> str:
         baseline = r["config"] == GSPMD
         ok_s = "" if baseline or r["step_ratio_vs_fp32"] <= out["targets"]["step_ratio"] else " (over target)"
         ok_c = "" if baseline or r["compile_ratio_vs_fp32"] <= out["targets"]["compile_ratio"] else " (over target)"
-        vs_s, vs_c = (f"{r[k]:>9.3f}" if k in r else f"{'-':>9}"
-                      for k in ("step_ratio_vs_gspmd", "compile_ratio_vs_gspmd"))
+        vs_s, vs_c = (
+            f"{r[k]:>9.3f}" if k in r else f"{'-':>9}" for k in ("step_ratio_vs_gspmd", "compile_ratio_vs_gspmd")
+        )
         lines.append(
             f"{r['config']:<12}{1e3 * r['step_median_s']:>10.1f}{r['step_ratio_vs_fp32']:>9.3f}{vs_s}"
             f"{r['compile_median_s']:>12.2f}{r['compile_ratio_vs_fp32']:>9.3f}{vs_c}{ok_s}{ok_c}"
         )
     if "fp32_vs_gspmd" in out:
         g = out["fp32_vs_gspmd"]
-        lines.append(f"fp32 FSDP / plain GSPMD: step time {g['step_ratio']:.3f}x, "
-                     f"compile time {g['compile_ratio']:.3f}x")
+        lines.append(
+            f"fp32 FSDP / plain GSPMD: step time {g['step_ratio']:.3f}x, compile time {g['compile_ratio']:.3f}x"
+        )
     lines.append(
         f"targets: step ratio <= {out['targets']['step_ratio']}, compile ratio <= {out['targets']['compile_ratio']}"
     )

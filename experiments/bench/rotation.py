@@ -51,8 +51,9 @@ def transform_times(elements: int, blocks, repeat: int) -> dict:
         fns = {
             "butterfly": jax.jit(lambda v, b=b: qr.fwht_butterfly(v, b)),
             "library": jax.jit(lambda v, b=b: qr.fwht(v, b)),
-            "dense": jax.jit(lambda v, h=h, b=b: jnp.matmul(
-                v.reshape(-1, b), h.T, precision=jax.lax.Precision.HIGHEST).reshape(-1)),
+            "dense": jax.jit(
+                lambda v, h=h, b=b: jnp.matmul(v.reshape(-1, b), h.T, precision=jax.lax.Precision.HIGHEST).reshape(-1)
+            ),
         }
         out[b] = {}
         for name, fn in fns.items():
@@ -78,9 +79,11 @@ def reduce_scatter_times(elements: int, block: int, bits: int, bucket: int, repe
     full = jnp.asarray(np.random.default_rng(1).normal(size=(n, elements)).astype(np.float32))
     out = {}
     for name, rot in (("plain_s", None), ("rotated_s", block)):
+
         def f(fb, rot=rot):
-            return qc.quantized_reduce_scatter(fb[0], bits=bits, bucket=bucket, axis_name="fsdp",
-                                               key=jnp.uint32(1), rotation=rot)
+            return qc.quantized_reduce_scatter(
+                fb[0], bits=bits, bucket=bucket, axis_name="fsdp", key=jnp.uint32(1), rotation=rot
+            )
 
         fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"), check_vma=False))
         out[name] = _best(fn, (full,), repeat)
@@ -137,24 +140,36 @@ def main(argv=None) -> int:
     rec = {
         "elements": a.elements,
         "transform": transform_times(a.elements, (64, 128, 256, 512, 1024), a.repeat),
-        "reduce_scatter": {"block": a.block, "bits": a.bits, "bucket": a.bucket,
-                           **reduce_scatter_times(a.elements, a.block, a.bits, a.bucket, a.repeat)},
+        "reduce_scatter": {
+            "block": a.block,
+            "bits": a.bits,
+            "bucket": a.bucket,
+            **reduce_scatter_times(a.elements, a.block, a.bits, a.bucket, a.repeat),
+        },
     }
     print(f"transform of {a.elements} float32 elements (best of {a.repeat}):")
     print("| block | butterfly ms (compile s) | fwht ms (compile s) | one dense matmul ms (compile s) |")
     for b, t in rec["transform"].items():
-        print(f"| {b} | " + " | ".join(f"{t[k + '_s'] * 1e3:.2f} ({t[k + '_compile_s']:.2f})"
-                                     for k in ("butterfly", "library", "dense")) + " |")
+        print(
+            f"| {b} | "
+            + " | ".join(
+                f"{t[k + '_s'] * 1e3:.2f} ({t[k + '_compile_s']:.2f})" for k in ("butterfly", "library", "dense")
+            )
+            + " |"
+        )
     rs = rec["reduce_scatter"]
-    print(f"quantized reduce-scatter, {a.elements} elements/device, 8 devices, {a.bits} bits, bucket "
-          f"{a.bucket}: plain {rs['plain_s'] * 1e3:.1f} ms, rotated (block {a.block}) "
-          f"{rs['rotated_s'] * 1e3:.1f} ms")
+    print(
+        f"quantized reduce-scatter, {a.elements} elements/device, 8 devices, {a.bits} bits, bucket "
+        f"{a.bucket}: plain {rs['plain_s'] * 1e3:.1f} ms, rotated (block {a.block}) "
+        f"{rs['rotated_s'] * 1e3:.1f} ms"
+    )
     if a.step_preset:
-        rec["step"] = {"preset": a.step_preset, "block": a.block,
-                       **step_times(a.step_preset, a.block, a.step_repeats)}
+        rec["step"] = {"preset": a.step_preset, "block": a.block, **step_times(a.step_preset, a.block, a.step_repeats)}
         st = rec["step"]
-        print(f"{a.step_preset} GPT train step, qsdp-sr-W4G4, median of {a.step_repeats}: plain "
-              f"{st['plain_step_s'] * 1e3:.1f} ms, rotated (block {a.block}) {st['rotated_step_s'] * 1e3:.1f} ms")
+        print(
+            f"{a.step_preset} GPT train step, qsdp-sr-W4G4, median of {a.step_repeats}: plain "
+            f"{st['plain_step_s'] * 1e3:.1f} ms, rotated (block {a.block}) {st['rotated_step_s'] * 1e3:.1f} ms"
+        )
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(rec, fh, indent=1)

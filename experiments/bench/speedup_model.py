@@ -207,8 +207,7 @@ def predict_step_time(
     takes 0.18 s without overlap, 0.1 s with full overlap and 0.12 s with a quarter of the
     communication exposed (``max(0.1, 0.06) + 0.02``).
     """
-    return combine(compute_time(flops, rate), comm_time(link_bytes, bandwidth_bps), overlap,
-                   exposed_fraction)
+    return combine(compute_time(flops, rate), comm_time(link_bytes, bandwidth_bps), overlap, exposed_fraction)
 
 
 def tokens_per_gpu(global_batch_tokens: float, n_gpus: int) -> float:
@@ -251,10 +250,17 @@ def predict_grid(
                     lb = link_bytes_per_step(vol, n_nodes, gpus_per_node, algorithm)
                     tc, tm = compute_time(flops, rate), comm_time(lb, bps)
                     block[s] = {
-                        "model": model, "scheme": s, "bandwidth_gbit": float(bw),
-                        "n_nodes": n_nodes, "n_gpus": n_gpus, "tokens_per_gpu": tokens,
-                        "flops_per_gpu": flops, "volume_bytes": vol, "link_bytes": lb,
-                        "t_compute_s": tc, "t_comm_s": tm,
+                        "model": model,
+                        "scheme": s,
+                        "bandwidth_gbit": float(bw),
+                        "n_nodes": n_nodes,
+                        "n_gpus": n_gpus,
+                        "tokens_per_gpu": tokens,
+                        "flops_per_gpu": flops,
+                        "volume_bytes": vol,
+                        "link_bytes": lb,
+                        "t_compute_s": tc,
+                        "t_comm_s": tm,
                         "t_step_s": combine(tc, tm, False),
                         "t_step_overlap_s": combine(tc, tm, True, 1 / n_layers),
                     }
@@ -262,9 +268,7 @@ def predict_grid(
                     for ref in ("fp32", "bf16"):
                         b = block.get(ref)
                         r[f"speedup_vs_{ref}"] = b["t_step_s"] / r["t_step_s"] if b else None
-                        r[f"speedup_vs_{ref}_overlap"] = (
-                            b["t_step_overlap_s"] / r["t_step_overlap_s"] if b else None
-                        )
+                        r[f"speedup_vs_{ref}_overlap"] = b["t_step_overlap_s"] / r["t_step_overlap_s"] if b else None
                 rows.extend(block.values())
     return rows
 
@@ -294,7 +298,7 @@ def check_against_network(
         return {
             "skipped": True,
             "reason": f"{path} does not exist yet (experiments.bench.network writes it); "
-                      "run the speedup model again afterwards to check it",
+            "run the speedup model again afterwards to check it",
         }
     data = json.loads(path.read_text())
     runs = data.get("runs") if isinstance(data, dict) else data
@@ -309,8 +313,7 @@ def check_against_network(
             raise ValueError(f"{path}: bad run {r!r}: needs config, bandwidth_mbit, step_time_s ({e})") from None
         groups.setdefault(key, []).append(r)
     unshaped = {
-        cfg: statistics.median(float(r["step_time_s"]) for r in rs)
-        for (cfg, bw), rs in groups.items() if bw is None
+        cfg: statistics.median(float(r["step_time_s"]) for r in rs) for (cfg, bw), rs in groups.items() if bw is None
     }
     pairs: list[dict[str, Any]] = []
     unmatched: list[dict] = []
@@ -326,15 +329,30 @@ def check_against_network(
         link = sent * (n_proc if shared_queue else 1)
         tc, tm = unshaped[cfg], comm_time(link, bw * 1e6)
         pred = combine(tc, tm, overlap, exposed_fraction)
-        pairs.append({
-            "config": cfg, "bandwidth_mbit": bw, "n_processes": n_proc, "n_runs": len(rs),
-            "bytes_per_step": sent, "link_bytes": link, "t_compute_s": tc, "t_comm_s": tm,
-            "measured_s": measured, "predicted_s": pred, "rel_error": (pred - measured) / measured,
-        })
+        pairs.append(
+            {
+                "config": cfg,
+                "bandwidth_mbit": bw,
+                "n_processes": n_proc,
+                "n_runs": len(rs),
+                "bytes_per_step": sent,
+                "link_bytes": link,
+                "t_compute_s": tc,
+                "t_comm_s": tm,
+                "measured_s": measured,
+                "predicted_s": pred,
+                "rel_error": (pred - measured) / measured,
+            }
+        )
     mare = statistics.fmean(abs(p["rel_error"]) for p in pairs) if pairs else None
     return {
-        "skipped": False, "path": str(path), "shared_queue": shared_queue, "overlap": overlap,
-        "exposed_fraction": exposed_fraction, "pairs": pairs, "mean_abs_rel_error": mare,
+        "skipped": False,
+        "path": str(path),
+        "shared_queue": shared_queue,
+        "overlap": overlap,
+        "exposed_fraction": exposed_fraction,
+        "pairs": pairs,
+        "mean_abs_rel_error": mare,
         "unmatched": unmatched,
     }
 
@@ -342,10 +360,10 @@ def check_against_network(
 def check_table(check: dict) -> str:
     if check.get("skipped"):
         return f"model check skipped: {check['reason']}"
-    lines = [f"model check against {check['path']} (shared queue: {check['shared_queue']}, "
-             f"overlap: {check['overlap']})",
-             f"{'config':<14}{'Mbit/s':>8}{'MB/step':>9}{'t_comp':>8}{'measured':>10}"
-             f"{'predicted':>10}{'rel err':>9}"]
+    lines = [
+        f"model check against {check['path']} (shared queue: {check['shared_queue']}, overlap: {check['overlap']})",
+        f"{'config':<14}{'Mbit/s':>8}{'MB/step':>9}{'t_comp':>8}{'measured':>10}{'predicted':>10}{'rel err':>9}",
+    ]
     for p in check["pairs"]:
         lines.append(
             f"{p['config']:<14}{p['bandwidth_mbit']:>8g}{p['bytes_per_step'] / 1e6:>9.2f}"
@@ -366,8 +384,7 @@ def measure_models(models: Sequence[str], schemes: Sequence[str], n_devices: int
     """Compile each model abstractly and count bytes (``experiments.shelf.wire_bytes.measure``)."""
     out = {}
     for model in models:  # batch: n_devices sequences (the bytes do not depend on it)
-        res = wire_bytes.measure(model, schemes, n_devices=n_devices, bucket=bucket,
-                                 batch_size=n_devices, verbose=True)
+        res = wire_bytes.measure(model, schemes, n_devices=n_devices, bucket=bucket, batch_size=n_devices, verbose=True)
         out[model] = {
             "n_params": res["n_params"],
             "n_layers": res["n_layers"],
@@ -406,8 +423,10 @@ def table(rows: list[dict], measured: dict, schemes: Sequence[str], nodes_for: d
             f = by[(bw, n, "fp32")]
             a = "".join(f"{by[(bw, n, s)]['speedup_vs_fp32']:>6.2f}" for s in others)
             b = "".join(f"{by[(bw, n, s)]['speedup_vs_fp32_overlap']:>6.2f}" for s in others)
-            out.append(f"{bw:>6g}{n:>6}{f['tokens_per_gpu']:>8.0f} | {f['t_step_s']:>7.3f}{a} | "
-                       f"{f['t_step_overlap_s']:>7.3f}{b}")
+            out.append(
+                f"{bw:>6g}{n:>6}{f['tokens_per_gpu']:>8.0f} | {f['t_step_s']:>7.3f}{a} | "
+                f"{f['t_step_overlap_s']:>7.3f}{b}"
+            )
         out.append("")
     return "\n".join(out)
 
@@ -423,15 +442,22 @@ def plot(rows: list[dict], path: Path, model: str = PLOT_MODEL, schemes=PLOT_SCH
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ["-", "--", ":", "-."]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-    for ax, key, title in ((axes[0], "speedup_vs_fp32", "no overlap: t = compute + comm"),
-                           (axes[1], "speedup_vs_fp32_overlap",
-                            "overlap: t = max(compute, (1-e) comm) + e comm, e = 1/n_layers")):
+    for ax, key, title in (
+        (axes[0], "speedup_vs_fp32", "no overlap: t = compute + comm"),
+        (axes[1], "speedup_vs_fp32_overlap", "overlap: t = max(compute, (1-e) comm) + e comm, e = 1/n_layers"),
+    ):
         for i, bw in enumerate(bws):
             for j, s in enumerate(schemes):
                 pts = sorted((r["n_nodes"], r[key]) for r in sel if r["bandwidth_gbit"] == bw and r["scheme"] == s)
                 if pts:
-                    ax.plot(*zip(*pts), styles[j % len(styles)], color=colors[i % len(colors)],
-                            marker="o", markersize=3, label=f"{_short(s)}, {bw:g} Gbit/s")
+                    ax.plot(
+                        *zip(*pts),
+                        styles[j % len(styles)],
+                        color=colors[i % len(colors)],
+                        marker="o",
+                        markersize=3,
+                        label=f"{_short(s)}, {bw:g} Gbit/s",
+                    )
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ticks = sorted({r["n_nodes"] for r in sel})
@@ -443,8 +469,9 @@ def plot(rows: list[dict], path: Path, model: str = PLOT_MODEL, schemes=PLOT_SCH
     axes[0].set_ylabel("predicted speedup over fp32 FSDP")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle(f"{model}: predicted QSDP speedup (bytes from the compiled step; modelled "
-                 "network and compute)", fontsize=10)
+    fig.suptitle(
+        f"{model}: predicted QSDP speedup (bytes from the compiled step; modelled network and compute)", fontsize=10
+    )
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -456,18 +483,28 @@ def parse_args(argv=None):
     p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
     p.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES))
     p.add_argument("--bucket", type=int, default=1024)
-    p.add_argument("--bandwidths-gbit", nargs="+", type=float, default=list(DEFAULT_BANDWIDTHS_GBIT),
-                   help="per-node inter-node bandwidth, Gbit/s")
+    p.add_argument(
+        "--bandwidths-gbit",
+        nargs="+",
+        type=float,
+        default=list(DEFAULT_BANDWIDTHS_GBIT),
+        help="per-node inter-node bandwidth, Gbit/s",
+    )
     p.add_argument("--nodes", nargs="+", type=int, default=list(DEFAULT_NODES))
     p.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE)
-    p.add_argument("--peak-tflops", type=float, default=A100_BF16_PEAK_FLOPS / 1e12,
-                   help="per-GPU peak (default A100 bf16: 312)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=A100_BF16_PEAK_FLOPS / 1e12, help="per-GPU peak (default A100 bf16: 312)"
+    )
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilisation (0, 1]")
     p.add_argument("--global-batch-tokens", type=float, default=DEFAULT_GLOBAL_BATCH_TOKENS)
     p.add_argument("--algorithm", choices=ALGORITHMS, default="ring")
     p.add_argument("--network-json", type=Path, default=DEFAULT_OUT / "network.json")
-    p.add_argument("--no-shared-queue", dest="shared_queue", action="store_false",
-                   help="model check: each process has its own shaped link")
+    p.add_argument(
+        "--no-shared-queue",
+        dest="shared_queue",
+        action="store_false",
+        help="model check: each process has its own shaped link",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if not 0 < args.mfu <= 1:
@@ -489,9 +526,14 @@ def main(argv=None) -> int:
     rate = args.peak_tflops * 1e12 * args.mfu
     measured = measure_models(args.models, args.schemes, args.devices, args.bucket)
     rows = predict_grid(
-        measured, schemes=args.schemes, bandwidths_gbit=args.bandwidths_gbit, nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node, rate=rate,
-        global_batch_tokens=args.global_batch_tokens, algorithm=args.algorithm,
+        measured,
+        schemes=args.schemes,
+        bandwidths_gbit=args.bandwidths_gbit,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        rate=rate,
+        global_batch_tokens=args.global_batch_tokens,
+        algorithm=args.algorithm,
     )
     # both step-time models: tbf's bucket refills during compute, so shaped runs overlap
     check = check_against_network(args.network_json, shared_queue=args.shared_queue)
@@ -499,32 +541,37 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     assumptions = {
         "bytes": f"measured: wire bytes per device per step of the compiled train step on "
-                 f"{args.devices} simulated devices (comm_report, ring model), all collectives",
+        f"{args.devices} simulated devices (comm_report, ring model), all collectives",
         "scaling": "volume V = bytes / ((n-1)/n) at the compile's n; re-scaled by (N-1)/N, "
-                   "N = nodes * gpus_per_node; padding growth with N ignored",
+        "N = nodes * gpus_per_node; padding growth with N ignored",
         "network": f"inter-node link is the bottleneck, intra-node free; per-node bandwidth at "
-                   f"line rate, no latency; algorithm={args.algorithm}: bytes leaving a node = "
-                   + ("V*(N-1)/N" if args.algorithm == "ring" else "V*(M-1)/M, M nodes"),
+        f"line rate, no latency; algorithm={args.algorithm}: bytes leaving a node = "
+        + ("V*(N-1)/N" if args.algorithm == "ring" else "V*(M-1)/M, M nodes"),
         "compute": f"t_compute = flops_per_token (6*matmul params + attention, gpt/model.py) * "
-                   f"tokens_per_gpu / rate; rate = {args.peak_tflops:g} TFLOP/s peak * MFU "
-                   f"{args.mfu:g} = {rate / 1e12:.1f} TFLOP/s; quantization compute not charged",
+        f"tokens_per_gpu / rate; rate = {args.peak_tflops:g} TFLOP/s peak * MFU "
+        f"{args.mfu:g} = {rate / 1e12:.1f} TFLOP/s; quantization compute not charged",
         "batch": f"fixed global batch of {args.global_batch_tokens:g} tokens per step split over "
-                 "all GPUs (strong scaling)",
+        "all GPUs (strong scaling)",
         "no_overlap": "t = t_compute + t_comm",
         "overlap": "t = max(t_compute, (1-e)*t_comm) + e*t_comm with e = 1/n_layers exposed "
-                   "(first gather / last reduce-scatter); never above the no-overlap time",
+        "(first gather / last reduce-scatter); never above the no-overlap time",
         "paper_setup": "the QSDP paper measured multi-node clusters with 8 GPUs per node where "
-                       "the inter-node link is the bottleneck; modelled the same way here",
+        "the inter-node link is the bottleneck; modelled the same way here",
         "gpus_per_node": args.gpus_per_node,
     }
     record = {
         "command": " ".join(["python -m experiments.bench.speedup_model", *map(shlex.quote, raw)]),
         "assumptions": assumptions,
         "inputs": {
-            "devices_compiled": args.devices, "bucket_size": args.bucket,
-            "bandwidths_gbit": args.bandwidths_gbit, "nodes": args.nodes,
-            "gpus_per_node": args.gpus_per_node, "peak_flops": args.peak_tflops * 1e12,
-            "mfu": args.mfu, "rate_flops": rate, "global_batch_tokens": args.global_batch_tokens,
+            "devices_compiled": args.devices,
+            "bucket_size": args.bucket,
+            "bandwidths_gbit": args.bandwidths_gbit,
+            "nodes": args.nodes,
+            "gpus_per_node": args.gpus_per_node,
+            "peak_flops": args.peak_tflops * 1e12,
+            "mfu": args.mfu,
+            "rate_flops": rate,
+            "global_batch_tokens": args.global_batch_tokens,
             "algorithm": args.algorithm,
         },
         "measured": measured,
@@ -539,15 +586,19 @@ def main(argv=None) -> int:
     if PLOT_MODEL in measured:
         plot(rows, png)
     print()
-    print(f"rate {rate / 1e12:.1f} TFLOP/s per GPU, global batch {args.global_batch_tokens:g} tokens, "
-          f"{args.gpus_per_node} GPUs/node, algorithm {args.algorithm}; speedup = t_fp32 / t_scheme")
-    short_nodes = {m: [n for n in args.nodes if n in (2, 8, 64)] or None
-                   for m in measured if m != PLOT_MODEL}
+    print(
+        f"rate {rate / 1e12:.1f} TFLOP/s per GPU, global batch {args.global_batch_tokens:g} tokens, "
+        f"{args.gpus_per_node} GPUs/node, algorithm {args.algorithm}; speedup = t_fp32 / t_scheme"
+    )
+    short_nodes = {m: [n for n in args.nodes if n in (2, 8, 64)] or None for m in measured if m != PLOT_MODEL}
     print(table(rows, measured, args.schemes, short_nodes))
     print(check_table(check))
     print(check_table(check_overlap))
-    print(f"\nwrote {args.out / 'speedup_model.json'}"
-          + (f" and {png}" if PLOT_MODEL in measured else "") + f" ({wall:.0f} s)")
+    print(
+        f"\nwrote {args.out / 'speedup_model.json'}"
+        + (f" and {png}" if PLOT_MODEL in measured else "")
+        + f" ({wall:.0f} s)"
+    )
     return 0
 
 

@@ -22,6 +22,7 @@ and its inter-node bytes (``node`` + ``node+local``) <= 1/7 of fp32's. Output: a
 ``experiments/results/network_twolevel.json`` (``--out``). Needs root and iproute2 (see
 ``experiments.bench.network``); without them it says so and exits 0 without measuring.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,15 +63,22 @@ def evaluate(doc: Mapping[str, Any], axis_bytes: Mapping[str, Mapping[str, float
     fp32_inter = inter_node_bytes(axis_bytes.get("fp32", {}))
     got_inter = inter_node_bytes(axis_bytes.get(TARGET_CONFIG, {}))
     ratio = got_inter / fp32_inter if fp32_inter else None
-    out["inter_node_bytes"] = {"fp32": fp32_inter, TARGET_CONFIG: got_inter, "ratio": ratio,
-                               "required_ratio_at_most": TARGET_INTER_BYTES_RATIO,
-                               "met": None if ratio is None else ratio <= TARGET_INTER_BYTES_RATIO}
+    out["inter_node_bytes"] = {
+        "fp32": fp32_inter,
+        TARGET_CONFIG: got_inter,
+        "ratio": ratio,
+        "required_ratio_at_most": TARGET_INTER_BYTES_RATIO,
+        "met": None if ratio is None else ratio <= TARGET_INTER_BYTES_RATIO,
+    }
     if shaped:
         low = min(shaped, key=lambda b: b["bandwidth_mbit"])
         speedup = low["configs"].get(TARGET_CONFIG, {}).get("speedup_vs_fp32")
-        out["speedup"] = {"bandwidth_mbit": low["bandwidth_mbit"], "speedup_vs_fp32": speedup,
-                          "required": TARGET_SPEEDUP,
-                          "met": None if speedup is None else speedup >= TARGET_SPEEDUP}
+        out["speedup"] = {
+            "bandwidth_mbit": low["bandwidth_mbit"],
+            "speedup_vs_fp32": speedup,
+            "required": TARGET_SPEEDUP,
+            "met": None if speedup is None else speedup >= TARGET_SPEEDUP,
+        }
     return out
 
 
@@ -85,12 +93,13 @@ def axis_table(axis_bytes: Mapping[str, Mapping[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def step_table(doc: Mapping[str, Any], axis_bytes: Mapping[str, Mapping[str, float]],
-               devices_per_process: int) -> str:
+def step_table(doc: Mapping[str, Any], axis_bytes: Mapping[str, Mapping[str, float]], devices_per_process: int) -> str:
     """bandwidth x config: step time, speedup over fp32, inter-node MB per process per step and
     the ideal time to send them over one direction of a host's link at that rate."""
-    head = (f"{'bandwidth':<12} {'config':<15} {'step [s]':>9} {'IQR [s]':>8} {'n':>3} "
-            f"{'vs fp32':>8} {'inter-node MB':>14} {'ideal inter [s]':>16}")
+    head = (
+        f"{'bandwidth':<12} {'config':<15} {'step [s]':>9} {'IQR [s]':>8} {'n':>3} "
+        f"{'vs fp32':>8} {'inter-node MB':>14} {'ideal inter [s]':>16}"
+    )
     lines = [head, "-" * len(head)]
     for b in doc["bandwidths"]:
         label = bw_label(b["bandwidth_mbit"])
@@ -101,8 +110,10 @@ def step_table(doc: Mapping[str, Any], axis_bytes: Mapping[str, Mapping[str, flo
             inter = inter_node_bytes(axis_bytes.get(name, {})) * devices_per_process
             ideal = "-" if b["bandwidth_mbit"] is None else f"{inter * 8 / (b['bandwidth_mbit'] * 1e6):.3f}"
             sp = c.get("speedup_vs_fp32")
-            lines.append(f"{label:<12} {name:<15} {c['median_s']:9.3f} {c['iqr_s']:8.3f} {c['n']:>3} "
-                         f"{'-' if sp is None else f'{sp:.2f}x':>8} {inter / 1e6:14.2f} {ideal:>16}")
+            lines.append(
+                f"{label:<12} {name:<15} {c['median_s']:9.3f} {c['iqr_s']:8.3f} {c['n']:>3} "
+                f"{'-' if sp is None else f'{sp:.2f}x':>8} {inter / 1e6:14.2f} {ideal:>16}"
+            )
             label = ""
     return "\n".join(lines)
 
@@ -110,41 +121,64 @@ def step_table(doc: Mapping[str, Any], axis_bytes: Mapping[str, Mapping[str, flo
 def _measure(bw, args, kwargs) -> dict[str, Any]:
     t0 = time.perf_counter()
     if args.no_netns:
-        procs = multiproc.run_processes(WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
-                                        devices_per_process=args.devices_per_process, timeout_s=args.timeout)
-        return {"bandwidth_mbit": None, "netns": None, "processes": procs,
-                "wall_s": time.perf_counter() - t0}
+        procs = multiproc.run_processes(
+            WORKLOAD,
+            "twolevel_benchmark",
+            args.num_processes,
+            kwargs,
+            devices_per_process=args.devices_per_process,
+            timeout_s=args.timeout,
+        )
+        return {"bandwidth_mbit": None, "netns": None, "processes": procs, "wall_s": time.perf_counter() - t0}
     names: str | list[str]  # the one shaped namespace, or one per process
     if args.link == "loopback":  # bench.network's setup: every byte through one shaped queue
-        with netns.shaped_namespace(name_prefix="qsdp2lvl", rate_mbit=bw, mtu=args.mtu,
-                                    burst_kb=args.burst_kb) as ns:
-            procs = multiproc.run_processes(WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
-                                            devices_per_process=args.devices_per_process, netns=ns,
-                                            timeout_s=args.timeout)
+        with netns.shaped_namespace(name_prefix="qsdp2lvl", rate_mbit=bw, mtu=args.mtu, burst_kb=args.burst_kb) as ns:
+            procs = multiproc.run_processes(
+                WORKLOAD,
+                "twolevel_benchmark",
+                args.num_processes,
+                kwargs,
+                devices_per_process=args.devices_per_process,
+                netns=ns,
+                timeout_s=args.timeout,
+            )
             names = ns.name
     else:  # one namespace per process: only inter-process (inter-node) traffic is shaped
         addrs = [netns.HOST_ADDR.format(i + 1) for i in range(args.num_processes)]
         env = {"QSDP_COORDINATOR_HOST": addrs[0], "QSDP_GLOO_HOSTS": ",".join(addrs)}
-        with netns.veth_namespaces(args.num_processes, rate_mbit=bw, name_prefix="qsdp2lvl",
-                                   mtu=args.mtu, burst_kb=args.burst_kb) as hosts:
-            procs = multiproc.run_processes(WORKLOAD, "twolevel_benchmark", args.num_processes, kwargs,
-                                            devices_per_process=args.devices_per_process, netns=hosts,
-                                            timeout_s=args.timeout, extra_env=env)
+        with netns.veth_namespaces(
+            args.num_processes, rate_mbit=bw, name_prefix="qsdp2lvl", mtu=args.mtu, burst_kb=args.burst_kb
+        ) as hosts:
+            procs = multiproc.run_processes(
+                WORKLOAD,
+                "twolevel_benchmark",
+                args.num_processes,
+                kwargs,
+                devices_per_process=args.devices_per_process,
+                netns=hosts,
+                timeout_s=args.timeout,
+                extra_env=env,
+            )
             names = [h.name for h in hosts]
-    return {"bandwidth_mbit": bw, "netns": names, "processes": procs,
-            "wall_s": time.perf_counter() - t0}
+    return {"bandwidth_mbit": bw, "netns": names, "processes": procs, "wall_s": time.perf_counter() - t0}
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench.twolevel",
-                                description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.bench.twolevel",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--bandwidths", nargs="+", default=["100", "none"])
     p.add_argument("--no-netns", action="store_true", help="unshaped only, no namespace")
-    p.add_argument("--link", choices=["veth", "loopback"], default="veth",
-                   help="veth: one namespace per process, only inter-process traffic shaped "
-                        "(each direction of each host's link at the rate); loopback: "
-                        "bench.network's single shaped loopback (all traffic, all directions)")
+    p.add_argument(
+        "--link",
+        choices=["veth", "loopback"],
+        default="veth",
+        help="veth: one namespace per process, only inter-process traffic shaped "
+        "(each direction of each host's link at the rate); loopback: "
+        "bench.network's single shaped loopback (all traffic, all directions)",
+    )
     p.add_argument("--num-processes", type=int, default=2)
     p.add_argument("--devices-per-process", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
@@ -167,12 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         reason = netns.check_netns_support()
         if reason is not None:
-            print(f"bench.twolevel: shaped namespaces unavailable ({reason}); nothing measured",
-                  file=sys.stderr)
+            print(f"bench.twolevel: shaped namespaces unavailable ({reason}); nothing measured", file=sys.stderr)
             return 0
     model = dict(DEFAULT_MODEL, d_model=args.d_model, n_layers=args.n_layers)
-    kwargs = dict(model=model, batch_per_process=args.batch_per_process,
-                  repeats=args.repeats, warmup=args.warmup)
+    kwargs = dict(model=model, batch_per_process=args.batch_per_process, repeats=args.repeats, warmup=args.warmup)
     measurements, failed, t0 = [], False, time.perf_counter()
     for bw in bws:
         print(f"[bench.twolevel] {bw_label(bw)}: starting...", flush=True)
@@ -183,17 +215,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[bench.twolevel] {bw_label(bw)} FAILED:\n{e}", file=sys.stderr, flush=True)
             measurements.append({"bandwidth_mbit": bw, "error": f"{type(e).__name__}: {e}"})
     ok = [m for m in measurements if "processes" in m]
-    axis_bytes = ({n: c["bytes_by_axis"] for n, c in ok[0]["processes"][0]["configs"].items()}
-                  if ok else {})
+    axis_bytes = {n: c["bytes_by_axis"] for n, c in ok[0]["processes"][0]["configs"].items()} if ok else {}
     meta = {
         "benchmark": "qsdp_jax two-level network speedup (experiments.bench.twolevel)",
-        "command": " ".join(["python -m experiments.bench.twolevel",
-                             *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m experiments.bench.twolevel", *(argv if argv is not None else sys.argv[1:])]),
         "mesh": ok[0]["processes"][0]["mesh"] if ok else None,
         "devices_per_process": args.devices_per_process,
         "link": "none" if args.no_netns else args.link,
-        "configs_spec": ({n: c["spec"] for n, c in ok[0]["processes"][0]["configs"].items()}
-                         if ok else {}),
+        "configs_spec": ({n: c["spec"] for n, c in ok[0]["processes"][0]["configs"].items()} if ok else {}),
         "bytes_by_axis": axis_bytes,
         "wall_s": time.perf_counter() - t0,
         "loadavg_end": list(os.getloadavg()),
@@ -207,8 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_table(doc))
     else:
         print(step_table(doc, axis_bytes, args.devices_per_process))
-        print("inter-node MB: bytes one process sends to the other per step (node-axis "
-              "collectives, HLO); each host link is shaped per direction at the rate.")
+        print(
+            "inter-node MB: bytes one process sends to the other per step (node-axis "
+            "collectives, HLO); each host link is shaped per direction at the rate."
+        )
     print()
     print("wire bytes per device per step, by the mesh axes each collective spans:")
     print(axis_table(axis_bytes))

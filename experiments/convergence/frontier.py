@@ -29,11 +29,15 @@ from experiments.gpt.data import CORPORA  # their order in tables and plots
 from experiments.convergence.runbook import CONFIGS, REFERENCE, RunKey
 
 LEVEL = 0.95
-INTERVAL_TEXT = ("mean over seeds of the relative validation-loss gap to the fp32 run of the same "
-                 "seed, with a two-sided 95% Student t interval on n-1 degrees of freedom")
-BITS_TEXT = ("average wire bits per element = 8 * wire bytes per device per step / (fp32 FSDP "
-             "wire bytes per device per step / 4), bytes counted from the compiled step, scales "
-             "and padding included")
+INTERVAL_TEXT = (
+    "mean over seeds of the relative validation-loss gap to the fp32 run of the same "
+    "seed, with a two-sided 95% Student t interval on n-1 degrees of freedom"
+)
+BITS_TEXT = (
+    "average wire bits per element = 8 * wire bytes per device per step / (fp32 FSDP "
+    "wire bytes per device per step / 4), bytes counted from the compiled step, scales "
+    "and padding included"
+)
 
 
 def _median(xs):
@@ -99,14 +103,26 @@ def summarise(records: dict[RunKey, dict], settings: dict | None = None) -> dict
             "configs": [_config_row(n, by_config[n], ref, fp32_bytes) for n in order],
         }
     runs = [
-        {"corpus": k.corpus, "config": k.config, "seed": k.seed, "val_loss": r["val_loss"],
-         "train_loss": r["train_loss"], "wire_bytes_per_step": r["wire_bytes_per_step"],
-         "wall_s": r["wall_s"], "nonfinite_steps": r["nonfinite_steps"],
-         "git_commit": r.get("git_commit")}
+        {
+            "corpus": k.corpus,
+            "config": k.config,
+            "seed": k.seed,
+            "val_loss": r["val_loss"],
+            "train_loss": r["train_loss"],
+            "wire_bytes_per_step": r["wire_bytes_per_step"],
+            "wall_s": r["wall_s"],
+            "nonfinite_steps": r["nonfinite_steps"],
+            "git_commit": r.get("git_commit"),
+        }
         for k, r in sorted(records.items())
     ]
-    return {"settings": settings, "interval": INTERVAL_TEXT, "bits_per_element": BITS_TEXT,
-            "corpora": corpora, "runs": runs}
+    return {
+        "settings": settings,
+        "interval": INTERVAL_TEXT,
+        "bits_per_element": BITS_TEXT,
+        "corpora": corpora,
+        "runs": runs,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,14 +153,22 @@ def markdown_table(summary: dict, corpus: str) -> str:
     if sp is None:
         head = f"**{corpus}**: no fp32 run yet, so no gaps."
     else:
-        noise = (f"seed-to-seed sd {pct(sp['sd_relative'], False)}, range "
-                 f"{pct(sp['range_relative'], False)}" if sp["n"] > 1 else "one seed, no spread yet")
-        head = (f"**{corpus}**: fp32 mean validation loss {sp['mean']:.4f} over {sp['n']} seed(s); "
-                f"{noise}. Gap: {INTERVAL_TEXT}.")
-    lines = [head, "",
-             "| configuration | wire bits/element | MB/step | fewer bytes | seeds | val loss | "
-             "paired gap, mean [95% CI] | per-seed gaps | CI holds 0 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+        noise = (
+            f"seed-to-seed sd {pct(sp['sd_relative'], False)}, range {pct(sp['range_relative'], False)}"
+            if sp["n"] > 1
+            else "one seed, no spread yet"
+        )
+        head = (
+            f"**{corpus}**: fp32 mean validation loss {sp['mean']:.4f} over {sp['n']} seed(s); "
+            f"{noise}. Gap: {INTERVAL_TEXT}."
+        )
+    lines = [
+        head,
+        "",
+        "| configuration | wire bits/element | MB/step | fewer bytes | seeds | val loss | "
+        "paired gap, mean [95% CI] | per-seed gaps | CI holds 0 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in c["configs"]:
         bits = "n/a" if r["bits_per_element"] is None else f"{r['bits_per_element']:.2f}"
         ratio = "n/a" if r["bytes_ratio_vs_fp32"] is None else f"{r['bytes_ratio_vs_fp32']:.2f}x"
@@ -156,7 +180,8 @@ def markdown_table(summary: dict, corpus: str) -> str:
             zero = ZERO_CELL[r["gap_interval_contains_zero"]]
         lines.append(
             f"| {r['name']} | {bits} | {r['wire_bytes_per_step'] / 1e6:.2f} | {ratio} | "
-            f"{len(r['seeds'])} | {r['val_loss_mean']:.4f} | {gap} | {per_seed} | {zero} |")
+            f"{len(r['seeds'])} | {r['val_loss_mean']:.4f} | {gap} | {per_seed} | {zero} |"
+        )
     return "\n".join(lines)
 
 
@@ -188,10 +213,8 @@ def plot_frontier(summary: dict, out: Path) -> None:
             g, x = r["gap"], r["bits_per_element"]
             err = None if g["half_width"] is None else 100 * g["half_width"]
             ys.append(abs(100 * g["mean"]) + (err or 0))
-            ax.errorbar([x], [100 * g["mean"]], yerr=err, fmt="o", capsize=3, ms=5,
-                        mfc="none" if err is None else None)
-            ax.annotate(r["name"], (x, 100 * g["mean"]), fontsize=7, xytext=(4, 3),
-                        textcoords="offset points")
+            ax.errorbar([x], [100 * g["mean"]], yerr=err, fmt="o", capsize=3, ms=5, mfc="none" if err is None else None)
+            ax.annotate(r["name"], (x, 100 * g["mean"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
         if not ys:
             ax.text(0.5, 0.5, "no paired run yet", transform=ax.transAxes, ha="center")
         ax.set_xscale("log", base=2)
@@ -241,10 +264,10 @@ def plot_curves(records: dict[RunKey, dict], out: Path, seed: int | None = None)
 def frontier_points(summary: dict, corpus: str) -> list[tuple[str, float, float]]:
     """``(config, bits per element, mean gap)`` of every quantized configuration with a gap,
     the Pareto-optimal ones (no other has both fewer bits and a smaller mean gap) first."""
-    pts = [(r["name"], r["bits_per_element"], r["gap"]["mean"])
-           for r in summary["corpora"][corpus]["configs"]
-           if r["name"] != REFERENCE and r["gap"] and r["bits_per_element"] is not None
-           and math.isfinite(r["gap"]["mean"])]
-    front = [p for p in pts if not any(q[1] <= p[1] and q[2] < p[2] or q[1] < p[1] and q[2] <= p[2]
-                                       for q in pts)]
+    pts = [
+        (r["name"], r["bits_per_element"], r["gap"]["mean"])
+        for r in summary["corpora"][corpus]["configs"]
+        if r["name"] != REFERENCE and r["gap"] and r["bits_per_element"] is not None and math.isfinite(r["gap"]["mean"])
+    ]
+    front = [p for p in pts if not any(q[1] <= p[1] and q[2] < p[2] or q[1] < p[1] and q[2] <= p[2] for q in pts)]
     return sorted(front, key=lambda p: p[1]) + sorted(set(pts) - set(front), key=lambda p: p[1])

@@ -36,11 +36,18 @@ def main(argv=None) -> int:
     rows = {}
     for n, c in zip(names, cfgs):  # one call each: config names do not carry the bucket size
         r = measure(c)["schemes"][c.name]
-        rows[n] = {"config": c.name, "bucket_size": c.bucket_size, "total_bytes": r["total_bytes"],
-                   "wire_bits_per_element": 32 * r["total_bytes"] / fp32,
-                   "formula_rel_diff": r["formula_rel_diff"]}
-        print(f"| {n} | {rows[n]['wire_bits_per_element']:.3f} | {r['total_bytes'] / 1e6:.3f} MB | "
-              f"{r['formula_rel_diff']:+.4f} |", flush=True)
+        rows[n] = {
+            "config": c.name,
+            "bucket_size": c.bucket_size,
+            "total_bytes": r["total_bytes"],
+            "wire_bits_per_element": 32 * r["total_bytes"] / fp32,
+            "formula_rel_diff": r["formula_rel_diff"],
+        }
+        print(
+            f"| {n} | {rows[n]['wire_bits_per_element']:.3f} | {r['total_bytes'] / 1e6:.3f} MB | "
+            f"{r['formula_rel_diff']:+.4f} |",
+            flush=True,
+        )
     if a.out:
         with open(a.out, "w") as fh:
             json.dump({"preset": a.preset, "fp32_total_bytes": fp32, "configs": rows}, fh, indent=1)

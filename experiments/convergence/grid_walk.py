@@ -23,8 +23,7 @@ import argparse
 import json
 from pathlib import Path
 
-MODES = (("qsdp", "float32"), ("qsdp", "bfloat16"), ("comm", "bfloat16"), ("qsdp", "lattice"),
-         ("qsdp", "golden"))
+MODES = (("qsdp", "float32"), ("qsdp", "bfloat16"), ("comm", "bfloat16"), ("qsdp", "lattice"), ("qsdp", "golden"))
 
 
 def lattice_project(x, bits: int, bucket: int, key):
@@ -67,8 +66,16 @@ def golden_project(x, bits: int, bucket: int, key, step):
     return (off + q * s).reshape(x.shape)
 
 
-def walk(mode: str, stats: str, bits: int, bucket: int, steps: int, lr: float, rows: int = 64,
-         checkpoints: tuple[int, ...] = (10, 100, 300, 1000)) -> dict[int, tuple[float, float]]:
+def walk(
+    mode: str,
+    stats: str,
+    bits: int,
+    bucket: int,
+    steps: int,
+    lr: float,
+    rows: int = 64,
+    checkpoints: tuple[int, ...] = (10, 100, 300, 1000),
+) -> dict[int, tuple[float, float]]:
     """``{step: (range ratio, relative RMS distance)}`` of the quantized walk against the exact one."""
     import jax
     import numpy as np
@@ -85,8 +92,7 @@ def walk(mode: str, stats: str, bits: int, bucket: int, steps: int, lr: float, r
     elif golden:
         project = jax.jit(lambda x, k, t: golden_project(x, bits, bucket, k, t))
     else:
-        project = jax.jit(lambda x, k, t: qz.quantize(
-            x, bits, bucket, rounding, k, stats_dtype=stats).dequantize())
+        project = jax.jit(lambda x, k, t: qz.quantize(x, bits, bucket, rounding, k, stats_dtype=stats).dequantize())
     held, out = np.asarray(project(exact, qz.derive_key(1, 0), 0)), {}
     for t in range(1, steps + 1):
         u = lr * np.sign(0.3 * drift + rng.normal(size=exact.shape)).astype(np.float32)
@@ -118,8 +124,9 @@ def main(argv=None) -> int:
     for name, r in result.items():
         print(f"| {name} | " + " | ".join(f"{r[t][0]:.2f} / {r[t][1]:.2f}" for t in steps) + " |")
     if a.out:
-        a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
-                                     "result": result}, indent=1) + "\n")
+        a.out.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "result": result}, indent=1) + "\n"
+        )
     return 0
 
 

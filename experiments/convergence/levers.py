@@ -27,10 +27,17 @@ def lever_rows(corpus_summary: dict, levers=LEVERS) -> list[dict]:
             continue
         diffs = {s: a[s] - b[s] for s in seeds}
         interval = stats.mean_interval(list(diffs.values()), LEVEL)
-        rows.append({"config": name, "base": base, "lever": what, "seeds": seeds,
-                     "difference": {str(s): d for s, d in diffs.items()},
-                     "mean": interval.as_dict(),
-                     "interval_contains_zero": interval.contains(0.0)})
+        rows.append(
+            {
+                "config": name,
+                "base": base,
+                "lever": what,
+                "seeds": seeds,
+                "difference": {str(s): d for s, d in diffs.items()},
+                "mean": interval.as_dict(),
+                "interval_contains_zero": interval.contains(0.0),
+            }
+        )
     return rows
 
 
@@ -46,12 +53,17 @@ def markdown_table(summary: dict, corpus: str) -> str:
     rows = summary["corpora"][corpus].get("levers") or []
     if not rows:
         return ""
-    lines = [f"**{corpus}, levers**: paired difference of the gaps, lever minus base, same seeds "
-             "(negative: the lever lowers the validation loss).", "",
-             "| configuration | against | lever | seeds | difference, mean [95% CI] | per seed | CI holds 0 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**{corpus}, levers**: paired difference of the gaps, lever minus base, same seeds "
+        "(negative: the lever lowers the validation loss).",
+        "",
+        "| configuration | against | lever | seeds | difference, mean [95% CI] | per seed | CI holds 0 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         per_seed = ", ".join(pct(d) for d in r["difference"].values())
-        lines.append(f"| {r['config']} | {r['base']} | {r['lever']} | {len(r['seeds'])} | "
-                     f"{interval_cell(r['mean'])} | {per_seed} | {ZERO_CELL[r['interval_contains_zero']]} |")
+        lines.append(
+            f"| {r['config']} | {r['base']} | {r['lever']} | {len(r['seeds'])} | "
+            f"{interval_cell(r['mean'])} | {per_seed} | {ZERO_CELL[r['interval_contains_zero']]} |"
+        )
     return "\n".join(lines)

@@ -38,8 +38,7 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.convergence",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.convergence", description=__doc__.split("\n\n")[0])
     d = runbook.Settings()
     s = p.add_argument_group("settings shared by every run (records with others are refused)")
     s.add_argument("--preset", default=d.preset)
@@ -54,13 +53,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     w = p.add_argument_group("which runs")
     w.add_argument("--corpus", nargs="+", choices=CORPORA, default=list(CORPORA))
     w.add_argument("--seeds", nargs="+", type=int, default=list(runbook.DEFAULT_SEEDS))
-    w.add_argument("--only", nargs="+", default=None, metavar="CONFIG",
-                   help="configurations to run (fp32 is always added: it is the pairing)")
-    w.add_argument("--group", nargs="+", default=None, choices=runbook.GROUPS,
-                   help="configuration groups (default: reference and main)")
+    w.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="CONFIG",
+        help="configurations to run (fp32 is always added: it is the pairing)",
+    )
+    w.add_argument(
+        "--group",
+        nargs="+",
+        default=None,
+        choices=runbook.GROUPS,
+        help="configuration groups (default: reference and main)",
+    )
     w.add_argument("--max-runs", type=int, default=None, help="train at most N runs, then report")
-    w.add_argument("--max-minutes", type=float, default=None,
-                   help="start no run that the estimate says would end after M minutes")
+    w.add_argument(
+        "--max-minutes", type=float, default=None, help="start no run that the estimate says would end after M minutes"
+    )
     m = p.add_argument_group("mode")
     m.add_argument("--plan", action="store_true", help="print done / left / estimate; train nothing")
     m.add_argument("--report", action="store_true", help="write the summary from the records; train nothing")
@@ -70,9 +80,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def settings_from(args: argparse.Namespace) -> runbook.Settings:
     return runbook.Settings(
-        preset=args.preset, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-        warmup=args.warmup, eval_every=args.eval_every, eval_batches=args.eval_batches,
-        devices=args.devices)
+        preset=args.preset,
+        steps=args.steps,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        warmup=args.warmup,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        devices=args.devices,
+    )
 
 
 def main(argv=None) -> int:
@@ -96,8 +113,11 @@ def main(argv=None) -> int:
         return 0
     if the_plan.conflicts and not args.report:
         print(the_plan.text(root), file=sys.stderr)
-        print("error: records made with other settings are in the way; move them (or choose "
-              "another --out) so that runs of different settings are never mixed", file=sys.stderr)
+        print(
+            "error: records made with other settings are in the way; move them (or choose "
+            "another --out) so that runs of different settings are never mixed",
+            file=sys.stderr,
+        )
         return 2
     if not args.report:
         train_chunk(the_plan, settings, root, args.max_runs, args.max_minutes)
@@ -105,8 +125,9 @@ def main(argv=None) -> int:
     return report(records, settings, args.out)
 
 
-def train_chunk(the_plan: runbook.Plan, settings: runbook.Settings, root: Path,
-                max_runs: int | None, max_minutes: float | None) -> int:
+def train_chunk(
+    the_plan: runbook.Plan, settings: runbook.Settings, root: Path, max_runs: int | None, max_minutes: float | None
+) -> int:
     """Train the plan's runs in order until done, ``max_runs`` or the ``max_minutes`` budget."""
     todo = the_plan.todo[:max_runs] if max_runs is not None else the_plan.todo
     if not todo:
@@ -120,22 +141,34 @@ def train_chunk(the_plan: runbook.Plan, settings: runbook.Settings, root: Path,
 
     devices = jax.devices()[: settings.devices]
     if len(devices) < settings.devices:
-        raise SystemExit(f"error: --devices {settings.devices}, but jax has {len(devices)} device(s) "
-                         "in this process (the count is fixed when jax is first imported)")
+        raise SystemExit(
+            f"error: --devices {settings.devices}, but jax has {len(devices)} device(s) "
+            "in this process (the count is fixed when jax is first imported)"
+        )
     commit = runbook.git_commit()
     t0, per_run, times = time.perf_counter(), the_plan.seconds_per_run, []
     for i, key in enumerate(todo):
         elapsed = time.perf_counter() - t0
         if max_minutes is not None and elapsed + per_run > 60 * max_minutes:
-            print(f"stopping: the next run would end after --max-minutes {max_minutes:g} "
-                  f"({elapsed:.0f} s spent, ~{per_run:.0f} s per run)", flush=True)
+            print(
+                f"stopping: the next run would end after --max-minutes {max_minutes:g} "
+                f"({elapsed:.0f} s spent, ~{per_run:.0f} s per run)",
+                flush=True,
+            )
             break
         spec = runbook.CONFIGS[key.config]
         run = RunConfig(
-            qsdp=q.QSDPConfig(**spec.qsdp, seed=key.seed), preset=settings.preset,
-            steps=settings.steps, batch_size=settings.batch, seq_len=settings.seq_len,
-            lr=settings.lr, warmup=settings.warmup, seed=key.seed, eval_every=settings.eval_every,
-            eval_batches=settings.eval_batches, data_path=str(data.corpus_text_path(key.corpus)),
+            qsdp=q.QSDPConfig(**spec.qsdp, seed=key.seed),
+            preset=settings.preset,
+            steps=settings.steps,
+            batch_size=settings.batch,
+            seq_len=settings.seq_len,
+            lr=settings.lr,
+            warmup=settings.warmup,
+            seed=key.seed,
+            eval_every=settings.eval_every,
+            eval_batches=settings.eval_batches,
+            data_path=str(data.corpus_text_path(key.corpus)),
         )
         print(f"[{i + 1}/{len(todo)} {key}] training {settings.steps} steps ...", flush=True)
 
@@ -150,8 +183,7 @@ def train_chunk(the_plan: runbook.Plan, settings: runbook.Settings, root: Path,
         times.append(time.perf_counter() - t_run)
         per_run = sum(times) / len(times)  # this chunk's own pace from now on
         print(f"[{key}] val {result.val_loss:.4f} in {result.wall_s:.0f} s -> {path}", flush=True)
-    print(f"trained {len(times)} run(s); {len(the_plan.todo) - len(times)} left of this plan",
-          flush=True)
+    print(f"trained {len(times)} run(s); {len(the_plan.todo) - len(times)} left of this plan", flush=True)
     return len(times)
 
 
@@ -165,14 +197,20 @@ def report(records: dict, settings: runbook.Settings, out: Path) -> int:
     summary = levers.add_levers(frontier.summarise(same, settings.as_dict()))
     out.mkdir(parents=True, exist_ok=True)
     (out / "convergence.json").write_text(json.dumps(summary, indent=1) + "\n")
-    tables = "\n\n".join(t for c in summary["corpora"]
-                         for t in (frontier.markdown_table(summary, c), levers.markdown_table(summary, c)) if t)
+    tables = "\n\n".join(
+        t
+        for c in summary["corpora"]
+        for t in (frontier.markdown_table(summary, c), levers.markdown_table(summary, c))
+        if t
+    )
     (out / "convergence_frontier.md").write_text(tables + "\n")
     frontier.plot_frontier(summary, out / "convergence_frontier.png")
     frontier.plot_curves(same, out / "convergence.png")
     print(tables)
-    print(f"\nwrote {out}/convergence.json, convergence_frontier.md, convergence_frontier.png, "
-          "convergence.png", flush=True)
+    print(
+        f"\nwrote {out}/convergence.json, convergence_frontier.md, convergence_frontier.png, convergence.png",
+        flush=True,
+    )
     return 0
 
 

@@ -24,8 +24,21 @@ from pathlib import Path
 from experiments.gpt.files import write_atomic  # temp file + fsync + rename
 
 __all__ = [
-    "CONFIGS", "DEFAULT_SEEDS", "GROUPS", "LEVERS", "REFERENCE", "ConfigSpec", "Plan", "RunKey",
-    "Settings", "compact_record", "git_commit", "load_records", "plan", "run_keys", "select_configs",
+    "CONFIGS",
+    "DEFAULT_SEEDS",
+    "GROUPS",
+    "LEVERS",
+    "REFERENCE",
+    "ConfigSpec",
+    "Plan",
+    "RunKey",
+    "Settings",
+    "compact_record",
+    "git_commit",
+    "load_records",
+    "plan",
+    "run_keys",
+    "select_configs",
     "write_record",
 ]
 
@@ -54,70 +67,190 @@ def _spec(name: str, group: str, note: str = "", **qsdp) -> ConfigSpec:
 _FP = dict(weight_bits=None, grad_bits=None, weight_mode="full")
 _SR = dict(weight_rounding="stochastic")
 
-CONFIGS: dict[str, ConfigSpec] = {s.name: s for s in [
-    _spec("fp32", "reference", "FSDP, fp32 collectives: the paired baseline", **_FP),
-    _spec("bf16", "main", "FSDP, bf16 collectives", **_FP, fp_comm_dtype="bfloat16"),
-    _spec("qsdp-W8G8", "main", "weights on the grid, the paper's random shift",
-          weight_bits=8, grad_bits=8, weight_rounding="shift"),
-    _spec("qsdp-W6G6", "main", "the paper's shift", weight_bits=6, grad_bits=6, weight_rounding="shift"),
-    _spec("qsdp-W4G4", "main", "the paper's shift", weight_bits=4, grad_bits=4, weight_rounding="shift"),
-    _spec("qsdp-sr-W8G8", "main", "weights on the grid, stochastic rounding", weight_bits=8, grad_bits=8, **_SR),
-    _spec("qsdp-sr-W6G6", "main", "stochastic rounding", weight_bits=6, grad_bits=6, **_SR),
-    _spec("qsdp-sr-W4G4", "main", "stochastic rounding", weight_bits=4, grad_bits=4, **_SR),
-    _spec("comm-W8G8", "main", "ZeRO++-style: fp32 master, quantized gather",
-          weight_mode="comm", weight_bits=8, grad_bits=8),
-    _spec("comm-W4G4", "main", "ZeRO++-style", weight_mode="comm", weight_bits=4, grad_bits=4),
-    # diagnostics: separate the two quantizers, bucket size
-    _spec("qsdp-W8GF32", "diagnostic", "8-bit weights (shift), fp32 gradients",
-          weight_bits=8, grad_bits=None, weight_rounding="shift"),
-    _spec("qsdp-sr-W8G8-b256", "diagnostic", "256-element buckets",
-          weight_bits=8, grad_bits=8, bucket_size=256, **_SR),
-    _spec("qsdp-sr-W4GF32", "diagnostic", "4-bit weights on the grid, fp32 gradients: the weights' share",
-          weight_bits=4, grad_bits=None, **_SR),
-    _spec("full-WF32G4", "diagnostic", "fp32 weights and gather, 4-bit gradients: the gradients' share",
-          **_FP | dict(grad_bits=4)),
-    _spec("full-WF32G2-rot64", "diagnostic", "fp32 weights, 2-bit rotated gradients: what 2-bit gradients cost",
-          **_FP | dict(grad_bits=2, grad_rotation=64)),
-    # frontier slots, with today's switches; the levers of issue 13 (compact statistics,
-    # Hadamard, error feedback, bit policies) add their configurations here
-    _spec("qsdp-sr-W4G4-b256", "frontier", "4 bits, smaller buckets",
-          weight_bits=4, grad_bits=4, bucket_size=256, **_SR),
-    _spec("qsdp-sr-W4G4-b128", "frontier", "4 bits, 128-element buckets (float32 stats: +0.5 bits)",
-          weight_bits=4, grad_bits=4, bucket_size=128, **_SR),
-    _spec("qsdp-sr-W4G3", "frontier", "", weight_bits=4, grad_bits=3, **_SR),
-    _spec("qsdp-sr-W3G3", "frontier", "", weight_bits=3, grad_bits=3, **_SR),
-    _spec("comm-W4G2", "frontier", "", weight_mode="comm", weight_bits=4, grad_bits=2),
-    _spec("comm-W3G3", "frontier", "", weight_mode="comm", weight_bits=3, grad_bits=3),
-    # grad_rotation (blockwise randomized Hadamard before the gradient quantizer) and
-    # stats_dtype="bfloat16" (4 bytes of stats per bucket instead of 8)
-    _spec("qsdp-sr-W4G4-rot64", "frontier", "Hadamard rotation of gradient chunks, blocks of 64",
-          weight_bits=4, grad_bits=4, grad_rotation=64, **_SR),
-    _spec("qsdp-sr-W4G3-rot64", "frontier", "", weight_bits=4, grad_bits=3, grad_rotation=64, **_SR),
-    _spec("qsdp-sr-W3G3-rot64", "frontier", "", weight_bits=3, grad_bits=3, grad_rotation=64, **_SR),
-    _spec("comm-W3G2-rot64-b256-bf16stats", "frontier", "comm-W3G2-rot64 with 256-element buckets, bf16 stats",
-          weight_mode="comm", weight_bits=3, grad_bits=2, grad_rotation=64, bucket_size=256,
-          stats_dtype="bfloat16"),
-    _spec("comm-W4G2-rot64", "frontier", "2-bit gradients with the rotation",
-          weight_mode="comm", weight_bits=4, grad_bits=2, grad_rotation=64),
-    _spec("qsdp-sr-W3G2-rot64", "frontier", "under 3 wire bits: 2-bit rotated gradients",
-          weight_bits=3, grad_bits=2, grad_rotation=64, **_SR),
-    _spec("comm-W3G2-rot64", "frontier", "under 3 wire bits with an fp32 master copy",
-          weight_mode="comm", weight_bits=3, grad_bits=2, grad_rotation=64),
-    _spec("comm-W2G2-rot64", "frontier", "where the fp32 master copy stops helping?",
-          weight_mode="comm", weight_bits=2, grad_bits=2, grad_rotation=64),
-    # bit policy: the embeddings (tied: also the output head) at W8G8, the rest lower
-    _spec("qsdp-sr-W4G4-emb8", "frontier", "embeddings (tied output head) at W8G8, the rest W4G4",
-          weight_bits=4, grad_bits=4, bit_policy=(("embed/*", 8, 8),), **_SR),
-    _spec("qsdp-sr-W3G3-emb8", "frontier", "embeddings (tied output head) at W8G8, the rest W3G3",
-          weight_bits=3, grad_bits=3, bit_policy=(("embed/*", 8, 8),), **_SR),
-    # dropped: QSDPConfig now refuses these; their records stay in the report
-    _spec("qsdp-sr-W4G4-b256-bf16stats", DROPPED, "QSDPConfig refuses it: bf16 stats ratchet the on-grid "
-          "range (experiments/convergence/grid_walk.py)", weight_bits=4, grad_bits=4, bucket_size=256,
-          stats_dtype="bfloat16", **_SR),
-    _spec("qsdp-sr-W4G4-golden", DROPPED, "golden rounding (uniform per weight frac(u0 + 0.618 t)): "
-          "built in 8516378, no measurable gain over stochastic on the GPT, removed",
-          weight_bits=4, grad_bits=4, weight_rounding="golden"),
-]}
+CONFIGS: dict[str, ConfigSpec] = {
+    s.name: s
+    for s in [
+        _spec("fp32", "reference", "FSDP, fp32 collectives: the paired baseline", **_FP),
+        _spec("bf16", "main", "FSDP, bf16 collectives", **_FP, fp_comm_dtype="bfloat16"),
+        _spec(
+            "qsdp-W8G8",
+            "main",
+            "weights on the grid, the paper's random shift",
+            weight_bits=8,
+            grad_bits=8,
+            weight_rounding="shift",
+        ),
+        _spec("qsdp-W6G6", "main", "the paper's shift", weight_bits=6, grad_bits=6, weight_rounding="shift"),
+        _spec("qsdp-W4G4", "main", "the paper's shift", weight_bits=4, grad_bits=4, weight_rounding="shift"),
+        _spec("qsdp-sr-W8G8", "main", "weights on the grid, stochastic rounding", weight_bits=8, grad_bits=8, **_SR),
+        _spec("qsdp-sr-W6G6", "main", "stochastic rounding", weight_bits=6, grad_bits=6, **_SR),
+        _spec("qsdp-sr-W4G4", "main", "stochastic rounding", weight_bits=4, grad_bits=4, **_SR),
+        _spec(
+            "comm-W8G8",
+            "main",
+            "ZeRO++-style: fp32 master, quantized gather",
+            weight_mode="comm",
+            weight_bits=8,
+            grad_bits=8,
+        ),
+        _spec("comm-W4G4", "main", "ZeRO++-style", weight_mode="comm", weight_bits=4, grad_bits=4),
+        # diagnostics: separate the two quantizers, bucket size
+        _spec(
+            "qsdp-W8GF32",
+            "diagnostic",
+            "8-bit weights (shift), fp32 gradients",
+            weight_bits=8,
+            grad_bits=None,
+            weight_rounding="shift",
+        ),
+        _spec(
+            "qsdp-sr-W8G8-b256", "diagnostic", "256-element buckets", weight_bits=8, grad_bits=8, bucket_size=256, **_SR
+        ),
+        _spec(
+            "qsdp-sr-W4GF32",
+            "diagnostic",
+            "4-bit weights on the grid, fp32 gradients: the weights' share",
+            weight_bits=4,
+            grad_bits=None,
+            **_SR,
+        ),
+        _spec(
+            "full-WF32G4",
+            "diagnostic",
+            "fp32 weights and gather, 4-bit gradients: the gradients' share",
+            **_FP | dict(grad_bits=4),
+        ),
+        _spec(
+            "full-WF32G2-rot64",
+            "diagnostic",
+            "fp32 weights, 2-bit rotated gradients: what 2-bit gradients cost",
+            **_FP | dict(grad_bits=2, grad_rotation=64),
+        ),
+        # frontier slots, with today's switches; the levers of issue 13 (compact statistics,
+        # Hadamard, error feedback, bit policies) add their configurations here
+        _spec(
+            "qsdp-sr-W4G4-b256",
+            "frontier",
+            "4 bits, smaller buckets",
+            weight_bits=4,
+            grad_bits=4,
+            bucket_size=256,
+            **_SR,
+        ),
+        _spec(
+            "qsdp-sr-W4G4-b128",
+            "frontier",
+            "4 bits, 128-element buckets (float32 stats: +0.5 bits)",
+            weight_bits=4,
+            grad_bits=4,
+            bucket_size=128,
+            **_SR,
+        ),
+        _spec("qsdp-sr-W4G3", "frontier", "", weight_bits=4, grad_bits=3, **_SR),
+        _spec("qsdp-sr-W3G3", "frontier", "", weight_bits=3, grad_bits=3, **_SR),
+        _spec("comm-W4G2", "frontier", "", weight_mode="comm", weight_bits=4, grad_bits=2),
+        _spec("comm-W3G3", "frontier", "", weight_mode="comm", weight_bits=3, grad_bits=3),
+        # grad_rotation (blockwise randomized Hadamard before the gradient quantizer) and
+        # stats_dtype="bfloat16" (4 bytes of stats per bucket instead of 8)
+        _spec(
+            "qsdp-sr-W4G4-rot64",
+            "frontier",
+            "Hadamard rotation of gradient chunks, blocks of 64",
+            weight_bits=4,
+            grad_bits=4,
+            grad_rotation=64,
+            **_SR,
+        ),
+        _spec("qsdp-sr-W4G3-rot64", "frontier", "", weight_bits=4, grad_bits=3, grad_rotation=64, **_SR),
+        _spec("qsdp-sr-W3G3-rot64", "frontier", "", weight_bits=3, grad_bits=3, grad_rotation=64, **_SR),
+        _spec(
+            "comm-W3G2-rot64-b256-bf16stats",
+            "frontier",
+            "comm-W3G2-rot64 with 256-element buckets, bf16 stats",
+            weight_mode="comm",
+            weight_bits=3,
+            grad_bits=2,
+            grad_rotation=64,
+            bucket_size=256,
+            stats_dtype="bfloat16",
+        ),
+        _spec(
+            "comm-W4G2-rot64",
+            "frontier",
+            "2-bit gradients with the rotation",
+            weight_mode="comm",
+            weight_bits=4,
+            grad_bits=2,
+            grad_rotation=64,
+        ),
+        _spec(
+            "qsdp-sr-W3G2-rot64",
+            "frontier",
+            "under 3 wire bits: 2-bit rotated gradients",
+            weight_bits=3,
+            grad_bits=2,
+            grad_rotation=64,
+            **_SR,
+        ),
+        _spec(
+            "comm-W3G2-rot64",
+            "frontier",
+            "under 3 wire bits with an fp32 master copy",
+            weight_mode="comm",
+            weight_bits=3,
+            grad_bits=2,
+            grad_rotation=64,
+        ),
+        _spec(
+            "comm-W2G2-rot64",
+            "frontier",
+            "where the fp32 master copy stops helping?",
+            weight_mode="comm",
+            weight_bits=2,
+            grad_bits=2,
+            grad_rotation=64,
+        ),
+        # bit policy: the embeddings (tied: also the output head) at W8G8, the rest lower
+        _spec(
+            "qsdp-sr-W4G4-emb8",
+            "frontier",
+            "embeddings (tied output head) at W8G8, the rest W4G4",
+            weight_bits=4,
+            grad_bits=4,
+            bit_policy=(("embed/*", 8, 8),),
+            **_SR,
+        ),
+        _spec(
+            "qsdp-sr-W3G3-emb8",
+            "frontier",
+            "embeddings (tied output head) at W8G8, the rest W3G3",
+            weight_bits=3,
+            grad_bits=3,
+            bit_policy=(("embed/*", 8, 8),),
+            **_SR,
+        ),
+        # dropped: QSDPConfig now refuses these; their records stay in the report
+        _spec(
+            "qsdp-sr-W4G4-b256-bf16stats",
+            DROPPED,
+            "QSDPConfig refuses it: bf16 stats ratchet the on-grid range (experiments/convergence/grid_walk.py)",
+            weight_bits=4,
+            grad_bits=4,
+            bucket_size=256,
+            stats_dtype="bfloat16",
+            **_SR,
+        ),
+        _spec(
+            "qsdp-sr-W4G4-golden",
+            DROPPED,
+            "golden rounding (uniform per weight frac(u0 + 0.618 t)): "
+            "built in 8516378, no measurable gain over stochastic on the GPT, removed",
+            weight_bits=4,
+            grad_bits=4,
+            weight_rounding="golden",
+        ),
+    ]
+}
 
 LEVERS: tuple[tuple[str, str, str], ...] = (
     ("qsdp-sr-W4G4-golden", "qsdp-sr-W4G4", "golden rounding"),
@@ -174,8 +307,10 @@ def select_configs(only: list[str] | None = None, groups: list[str] | None = Non
         raise ValueError(f"unknown group(s) {bad}; groups are {list(GROUPS)}")
     dropped = sorted(n for n in only or () if CONFIGS[n].group == DROPPED)
     if dropped:
-        raise ValueError(f"configuration(s) {dropped} are dropped and cannot be trained again: "
-                         + "; ".join(CONFIGS[n].note for n in dropped))
+        raise ValueError(
+            f"configuration(s) {dropped} are dropped and cannot be trained again: "
+            + "; ".join(CONFIGS[n].note for n in dropped)
+        )
     if not only and not groups:
         groups = ["reference", "main"]
     chosen = {n for n in only or ()} | {n for n, s in CONFIGS.items() if s.group in (groups or ())}
@@ -198,13 +333,20 @@ def git_commit(repo: Path | None = None) -> str | None:
     cwd = repo or Path(__file__).resolve().parent
     code = ["qsdp_jax", "experiments", ":(exclude)experiments/results"]
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=cwd, capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *code],
-                               cwd=top, capture_output=True, text=True, timeout=10,
-                               check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        top = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *code],
+            cwd=top,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("+dirty" if dirty else "")
@@ -217,10 +359,8 @@ def compact_record(result: dict, key: RunKey, settings: Settings, commit: str | 
     rec = {k: v for k, v in result.items() if k != "history"}
     if rec.get("config", {}).get("data_path"):  # the cache file's name, not this machine's path
         rec["config"] = dict(rec["config"], data_path=Path(rec["config"]["data_path"]).name)
-    rec["val_curve"] = [[h["step"], h["loss"], h["val_loss"]]
-                        for h in result["history"] if h["val_loss"] is not None]
-    rec.update(corpus=key.corpus, config_name=key.config, seed=key.seed,
-               settings=settings.as_dict(), git_commit=commit)
+    rec["val_curve"] = [[h["step"], h["loss"], h["val_loss"]] for h in result["history"] if h["val_loss"] is not None]
+    rec.update(corpus=key.corpus, config_name=key.config, seed=key.seed, settings=settings.as_dict(), git_commit=commit)
     return rec
 
 
@@ -278,11 +418,14 @@ class Plan:
 
     def text(self, root: Path, max_runs: int | None = None, max_minutes: float | None = None) -> str:
         n = len(self.done) + len(self.todo) + len(self.conflicts)
-        lines = [f"{len(self.done)}/{n} runs done under {root}; {len(self.todo)} left, about "
-                 f"{_hms(self.estimate_s)} at {self.seconds_per_run:.0f} s per run"]
+        lines = [
+            f"{len(self.done)}/{n} runs done under {root}; {len(self.todo)} left, about "
+            f"{_hms(self.estimate_s)} at {self.seconds_per_run:.0f} s per run"
+        ]
         if self.commits:
-            lines.append("done runs were made on: " + ", ".join(
-                f"{c} ({k} runs)" for c, k in sorted(self.commits.items())))
+            lines.append(
+                "done runs were made on: " + ", ".join(f"{c} ({k} runs)" for c, k in sorted(self.commits.items()))
+            )
         by_group: dict[tuple[str, str], list[int]] = {}
         for k in self.todo:
             by_group.setdefault((k.corpus, k.config), []).append(k.seed)
@@ -292,12 +435,16 @@ class Plan:
             lines.append(f"  CONFLICT {k}: {why}")
         if (max_runs is not None or max_minutes is not None) and self.todo:
             chunk = self.chunk(max_runs, max_minutes)
-            flags = " ".join(f for f in (max_runs and f"--max-runs {max_runs}",
-                                         max_minutes and f"--max-minutes {max_minutes:g}") if f)
+            flags = " ".join(
+                f
+                for f in (max_runs and f"--max-runs {max_runs}", max_minutes and f"--max-minutes {max_minutes:g}")
+                if f
+            )
             names = [str(k) for k in chunk]
             listed = ", ".join(names) if len(names) <= 8 else f"{names[0]} ... {names[-1]}"
-            lines.append(f"next chunk ({flags}): {len(chunk)} runs, about "
-                         f"{_hms(self.seconds_per_run * len(chunk))}: {listed}")
+            lines.append(
+                f"next chunk ({flags}): {len(chunk)} runs, about {_hms(self.seconds_per_run * len(chunk))}: {listed}"
+            )
         return "\n".join(lines)
 
 
@@ -315,10 +462,16 @@ def plan(keys: list[RunKey], records: dict[RunKey, dict], settings: Settings) ->
         if rec is None:
             todo.append(k)
         elif rec.get("settings") != want:
-            diff = {f: (rec.get("settings", {}).get(f), v) for f, v in want.items()
-                    if rec.get("settings", {}).get(f) != v}
-            conflicts.append((k, "made with other settings (record, asked): " + ", ".join(
-                f"{f} {a!r} vs {b!r}" for f, (a, b) in diff.items())))
+            diff = {
+                f: (rec.get("settings", {}).get(f), v) for f, v in want.items() if rec.get("settings", {}).get(f) != v
+            }
+            conflicts.append(
+                (
+                    k,
+                    "made with other settings (record, asked): "
+                    + ", ".join(f"{f} {a!r} vs {b!r}" for f, (a, b) in diff.items()),
+                )
+            )
         else:
             done.append(k)
     walls = sorted(r["wall_s"] for k, r in records.items() if r.get("settings") == want)

@@ -122,6 +122,12 @@ def spread(values: Sequence[float]) -> dict:
     sd = float(x.std(ddof=1)) if x.size > 1 else None
     rng = float(x.max() - x.min())
     return {
-        "n": int(x.size), "mean": mean, "sd": sd, "min": float(x.min()), "max": float(x.max()),
-        "range": rng, "range_relative": rng / mean, "sd_relative": None if sd is None else sd / mean,
+        "n": int(x.size),
+        "mean": mean,
+        "sd": sd,
+        "min": float(x.min()),
+        "max": float(x.max()),
+        "range": rng,
+        "range_relative": rng / mean,
+        "sd_relative": None if sd is None else sd / mean,
     }

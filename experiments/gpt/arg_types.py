@@ -36,7 +36,8 @@ def parse_bit_policy(text: str) -> tuple:
         if not eq or not pattern.strip() or len(values) != 2:
             raise argparse.ArgumentTypeError(
                 f"rule {i + 1} {part!r}: expected PATTERN=WEIGHT_BITS,GRAD_BITS (bits 1..8 or none), "
-                "rules separated by ';', e.g. 'embed*=8,8;head*=8,none'")
+                "rules separated by ';', e.g. 'embed*=8,8;head*=8,none'"
+            )
         try:
             w, g = (None if parse_bits(v) == "none" else parse_bits(v) for v in values)
         except argparse.ArgumentTypeError as e:
@@ -49,6 +50,7 @@ def parse_bit_policy(text: str) -> tuple:
 
 def int_at_least(minimum: int, what: str):
     """An argparse type: an integer >= ``minimum`` (``what`` names that in the message)."""
+
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -57,6 +59,7 @@ def int_at_least(minimum: int, what: str):
         if v < minimum:
             raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
         return v
+
     return parse
 
 
@@ -88,5 +91,5 @@ def parse_seconds(text: str) -> float:
         return positive_float(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"expected a number of seconds > 0, got {text!r} (leave the flag out to turn the "
-            "watchdog off)") from None
+            f"expected a number of seconds > 0, got {text!r} (leave the flag out to turn the watchdog off)"
+        ) from None

@@ -26,6 +26,7 @@ RUNS_DIR = REPO_ROOT / "runs"
 PRESETS = ("tiny", "small", "medium")
 ARTIFACTS = ("config.json", "metrics.jsonl", "summary.json", "loss.png")
 
+
 class CLIError(Exception):
     """A bad flag, flag combination or environment; reported as an argparse error (exit 2)."""
 
@@ -57,89 +58,181 @@ def _add_model_training_args(p: argparse.ArgumentParser) -> None:
 
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=positive_int, default=300, help="training steps (default: 300)")
-    t.add_argument("--batch", type=positive_int, default=16,
-                   help="global batch size in sequences, a multiple of --devices (default: 16)")
+    t.add_argument(
+        "--batch",
+        type=positive_int,
+        default=16,
+        help="global batch size in sequences, a multiple of --devices (default: 16)",
+    )
     t.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (default: 3e-3)")
-    t.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
-                   help="learning-rate schedule after warmup (default: cosine)")
-    t.add_argument("--warmup", type=nonnegative_int, default=None,
-                   help="linear warmup steps (default: 30, or steps // 10 if that is smaller)")
-    t.add_argument("--seed", type=parse_seed, default=0,
-                   help="seed of the initial weights, data order and quantization noise (default: 0)")
-    t.add_argument("--eval-every", type=positive_int, default=None,
-                   help="validate every N steps and at the end (default: steps // 5)")
-    t.add_argument("--eval-batches", type=positive_int, default=8,
-                   help="validation batches per evaluation (default: 8)")
+    t.add_argument(
+        "--schedule",
+        choices=("cosine", "constant"),
+        default="cosine",
+        help="learning-rate schedule after warmup (default: cosine)",
+    )
+    t.add_argument(
+        "--warmup",
+        type=nonnegative_int,
+        default=None,
+        help="linear warmup steps (default: 30, or steps // 10 if that is smaller)",
+    )
+    t.add_argument(
+        "--seed",
+        type=parse_seed,
+        default=0,
+        help="seed of the initial weights, data order and quantization noise (default: 0)",
+    )
+    t.add_argument(
+        "--eval-every",
+        type=positive_int,
+        default=None,
+        help="validate every N steps and at the end (default: steps // 5)",
+    )
+    t.add_argument(
+        "--eval-batches", type=positive_int, default=8, help="validation batches per evaluation (default: 8)"
+    )
     t.add_argument("--data", default=None, help="a UTF-8 text file to train on (default: Shakespeare)")
 
 
 def _add_comm_args(p: argparse.ArgumentParser) -> None:
     """The quantization / communication flags and the --fp32 / --bf16 baselines."""
     qz = p.add_argument_group("quantization / communication")
-    qz.add_argument("--weight-bits", type=parse_bits, default=None, metavar="{1..8,none}",
-                    help="bits per weight on the all-gather (default: 8; none with --weight-mode full)")
-    qz.add_argument("--grad-bits", type=parse_bits, default=None, metavar="{1..8,none}",
-                    help="bits per gradient on the reduce-scatter (default: 8)")
-    qz.add_argument("--bucket-size", type=positive_int, default=1024,
-                    help="elements per quantization bucket, a multiple of 8 (default: 1024)")
-    qz.add_argument("--min-shard-size", type=nonnegative_int, default=4096,
-                    help="leaves smaller than this stay replicated in full precision (default: 4096)")
-    qz.add_argument("--weight-mode", choices=("qsdp", "comm", "full"), default=None,
-                    help="qsdp: weights kept on a shifted grid (default); comm: quantized only "
-                    "for the all-gather (ZeRO++-style); full: full-precision gather")
-    qz.add_argument("--weight-rounding", choices=("shift", "stochastic"), default=None,
-                    help="how qsdp mode puts updated weights on a grid: stochastic rounding "
-                    "(the default) or the paper's random shift")
-    qz.add_argument("--comm-dtype", choices=("float32", "bfloat16"), default=None,
-                    help="dtype of the unquantized collectives (default: float32)")
-    qz.add_argument("--grad-rotation", type=positive_int, default=None, metavar="BLOCK",
-                    help="rotate gradient chunks blockwise by a randomized Hadamard transform before "
-                    "quantizing (a power of 2 dividing --bucket-size; default: off)")
-    qz.add_argument("--stats-dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="dtype of the per-bucket scale and offset on the wire (default: float32; "
-                    "bfloat16 halves their bytes; comm and full weight modes only)")
-    qz.add_argument("--bit-policy", type=parse_bit_policy, default=(), metavar="'PAT=W,G;...'",
-                    help="per-leaf bits by parameter path, first match wins: e.g. "
-                    "'embed*=8,8' keeps the embeddings at 8-bit weights and gradients (bits 1..8 "
-                    "or none; patterns are fnmatch on 'group/key/...' paths, see qsdp_jax._src.policy)")
+    qz.add_argument(
+        "--weight-bits",
+        type=parse_bits,
+        default=None,
+        metavar="{1..8,none}",
+        help="bits per weight on the all-gather (default: 8; none with --weight-mode full)",
+    )
+    qz.add_argument(
+        "--grad-bits",
+        type=parse_bits,
+        default=None,
+        metavar="{1..8,none}",
+        help="bits per gradient on the reduce-scatter (default: 8)",
+    )
+    qz.add_argument(
+        "--bucket-size",
+        type=positive_int,
+        default=1024,
+        help="elements per quantization bucket, a multiple of 8 (default: 1024)",
+    )
+    qz.add_argument(
+        "--min-shard-size",
+        type=nonnegative_int,
+        default=4096,
+        help="leaves smaller than this stay replicated in full precision (default: 4096)",
+    )
+    qz.add_argument(
+        "--weight-mode",
+        choices=("qsdp", "comm", "full"),
+        default=None,
+        help="qsdp: weights kept on a shifted grid (default); comm: quantized only "
+        "for the all-gather (ZeRO++-style); full: full-precision gather",
+    )
+    qz.add_argument(
+        "--weight-rounding",
+        choices=("shift", "stochastic"),
+        default=None,
+        help="how qsdp mode puts updated weights on a grid: stochastic rounding "
+        "(the default) or the paper's random shift",
+    )
+    qz.add_argument(
+        "--comm-dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="dtype of the unquantized collectives (default: float32)",
+    )
+    qz.add_argument(
+        "--grad-rotation",
+        type=positive_int,
+        default=None,
+        metavar="BLOCK",
+        help="rotate gradient chunks blockwise by a randomized Hadamard transform before "
+        "quantizing (a power of 2 dividing --bucket-size; default: off)",
+    )
+    qz.add_argument(
+        "--stats-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the per-bucket scale and offset on the wire (default: float32; "
+        "bfloat16 halves their bytes; comm and full weight modes only)",
+    )
+    qz.add_argument(
+        "--bit-policy",
+        type=parse_bit_policy,
+        default=(),
+        metavar="'PAT=W,G;...'",
+        help="per-leaf bits by parameter path, first match wins: e.g. "
+        "'embed*=8,8' keeps the embeddings at 8-bit weights and gradients (bits 1..8 "
+        "or none; patterns are fnmatch on 'group/key/...' paths, see qsdp_jax._src.policy)",
+    )
     base = qz.add_mutually_exclusive_group()
-    base.add_argument("--fp32", action="store_true",
-                      help="the fp32 FSDP baseline (weight/grad bits none, mode full, fp32 comm)")
-    base.add_argument("--bf16", action="store_true",
-                      help="the bf16 FSDP baseline (weight/grad bits none, mode full, bf16 comm)")
+    base.add_argument(
+        "--fp32", action="store_true", help="the fp32 FSDP baseline (weight/grad bits none, mode full, fp32 comm)"
+    )
+    base.add_argument(
+        "--bf16", action="store_true", help="the bf16 FSDP baseline (weight/grad bits none, mode full, bf16 comm)"
+    )
 
 
 def _add_output_checkpoint_args(p: argparse.ArgumentParser) -> None:
     """The devices / output and checkpoint flags."""
     o = p.add_argument_group("environment / output")
-    o.add_argument("--devices", type=positive_int, default=None,
-                   help="use the first N devices (default: all; on a machine with only a CPU, "
-                   "N simulated CPU devices, default 8)")
-    o.add_argument("--simulate-devices", type=positive_int, default=None, metavar="N",
-                   help="run on N simulated CPU devices even where a GPU/TPU is present")
-    o.add_argument("--out", type=Path, default=None,
-                   help="output directory (default: runs/<preset>-<config>-<timestamp>)")
-    o.add_argument("--overwrite", action="store_true",
-                   help="replace this tool's files in an existing non-empty output directory")
-    o.add_argument("--no-fp32-ratio", action="store_true",
-                   help="skip compiling the fp32 step for the bytes-vs-fp32 ratio")
-    o.add_argument("--quiet", action="store_true",
-                   help="no progress line; a one-line summary instead of the full one")
+    o.add_argument(
+        "--devices",
+        type=positive_int,
+        default=None,
+        help="use the first N devices (default: all; on a machine with only a CPU, N simulated CPU devices, default 8)",
+    )
+    o.add_argument(
+        "--simulate-devices",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="run on N simulated CPU devices even where a GPU/TPU is present",
+    )
+    o.add_argument(
+        "--out", type=Path, default=None, help="output directory (default: runs/<preset>-<config>-<timestamp>)"
+    )
+    o.add_argument(
+        "--overwrite", action="store_true", help="replace this tool's files in an existing non-empty output directory"
+    )
+    o.add_argument(
+        "--no-fp32-ratio", action="store_true", help="skip compiling the fp32 step for the bytes-vs-fp32 ratio"
+    )
+    o.add_argument("--quiet", action="store_true", help="no progress line; a one-line summary instead of the full one")
 
     c = p.add_argument_group("checkpoints")
-    c.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="where checkpoints go (default: <out>/checkpoints when --checkpoint-every "
-                   "or --resume is given)")
-    c.add_argument("--checkpoint-every", type=positive_int, default=None,
-                   help="save every N steps, asynchronously (and always on SIGTERM/SIGINT and at the end)")
+    c.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="where checkpoints go (default: <out>/checkpoints when --checkpoint-every or --resume is given)",
+    )
+    c.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        default=None,
+        help="save every N steps, asynchronously (and always on SIGTERM/SIGINT and at the end)",
+    )
     c.add_argument("--keep", type=positive_int, default=3, help="complete checkpoints kept (default: 3)")
-    c.add_argument("--resume", action="store_true",
-                   help="continue from the latest complete checkpoint (start fresh when there is none); "
-                   "metrics continue the same metrics.jsonl")
-    c.add_argument("--failure-timeout", type=parse_seconds, default=None, metavar="S",
-                   help="exit (status 75, after trying to save) when no step finishes for S seconds "
-                   "or a collective fails, e.g. a peer process died (default: off; S > 0; 60 is a good "
-                   "bound for multi-process runs)")
+    c.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint (start fresh when there is none); "
+        "metrics continue the same metrics.jsonl",
+    )
+    c.add_argument(
+        "--failure-timeout",
+        type=parse_seconds,
+        default=None,
+        metavar="S",
+        help="exit (status 75, after trying to save) when no step finishes for S seconds "
+        "or a collective fails, e.g. a peer process died (default: off; S > 0; 60 is a good "
+        "bound for multi-process runs)",
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -196,8 +289,9 @@ def qsdp_kwargs(args: argparse.Namespace) -> dict:
         if v is not None:  # "none": full precision on the outer level, written as None
             levels[name] = None if v == "none" else v
             if v == "none" and "node_axis" not in levels and "replica_axis" not in levels:
-                raise CLIError(f"--{name.replace('_', '-')} needs a 2-D --mesh (node=...,local=... "
-                               "or replica=...,fsdp=...)")
+                raise CLIError(
+                    f"--{name.replace('_', '-')} needs a 2-D --mesh (node=...,local=... or replica=...,fsdp=...)"
+                )
     return dict(
         **levels,
         weight_bits=None if wbits == "none" else wbits,

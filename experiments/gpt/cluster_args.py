@@ -29,30 +29,61 @@ OUTER_AXES = {"node": "node_axis", "replica": "replica_axis"}
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     """Add the mesh / per-level bits / distributed flags to ``p``."""
     g = p.add_argument_group("mesh / cluster")
-    g.add_argument("--mesh", default="fsdp", metavar="SPEC",
-                   help="fsdp (1-D, default), node=2,local=4 (hierarchical FSDP, two-stage "
-                   "collectives) or replica=2,fsdp=4 (hybrid sharding); sizes may be left out "
-                   "(node,local): the outer one is then the number of processes")
-    g.add_argument("--inter-weight-bits", type=parse_bits, default=None, metavar="{1..8,none}",
-                   help="weight bits on the outer level (default: --weight-bits); 2-D meshes only")
-    g.add_argument("--inter-grad-bits", type=parse_bits, default=None, metavar="{1..8,none}",
-                   help="gradient bits on the outer level (default: --grad-bits); 2-D meshes only")
-    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="process 0's address for jax.distributed (or QSDP_COORDINATOR; not "
-                   "needed under SLURM srun or on a TPU pod)")
-    g.add_argument("--num-processes", type=positive_int, default=None,
-                   help="number of processes (or QSDP_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=nonnegative_int, default=None,
-                   help="this process's id, 0..N-1 (or QSDP_PROCESS_ID)")
-    g.add_argument("--process-logs", type=Path, default=None, metavar="DIR",
-                   help="every process logs to DIR/process_<i>.log")
-    g.add_argument("--init-timeout", type=positive_int, default=None, metavar="S",
-                   help="seconds the processes wait for each other at start, then each says "
-                   "what is wrong and exits with status 69 (or QSDP_INIT_TIMEOUT_S; default 60)")
-    g.add_argument("--peer-timeout", type=positive_float, default=10.0, metavar="S",
-                   help="a process that dies or exits early ends the others at once, one that "
-                   "sends no heartbeat for S seconds (frozen, network down) after S: each says "
-                   "which process and exits with status 75 (default: 10)")
+    g.add_argument(
+        "--mesh",
+        default="fsdp",
+        metavar="SPEC",
+        help="fsdp (1-D, default), node=2,local=4 (hierarchical FSDP, two-stage "
+        "collectives) or replica=2,fsdp=4 (hybrid sharding); sizes may be left out "
+        "(node,local): the outer one is then the number of processes",
+    )
+    g.add_argument(
+        "--inter-weight-bits",
+        type=parse_bits,
+        default=None,
+        metavar="{1..8,none}",
+        help="weight bits on the outer level (default: --weight-bits); 2-D meshes only",
+    )
+    g.add_argument(
+        "--inter-grad-bits",
+        type=parse_bits,
+        default=None,
+        metavar="{1..8,none}",
+        help="gradient bits on the outer level (default: --grad-bits); 2-D meshes only",
+    )
+    g.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="process 0's address for jax.distributed (or QSDP_COORDINATOR; not "
+        "needed under SLURM srun or on a TPU pod)",
+    )
+    g.add_argument(
+        "--num-processes", type=positive_int, default=None, help="number of processes (or QSDP_NUM_PROCESSES)"
+    )
+    g.add_argument(
+        "--process-id", type=nonnegative_int, default=None, help="this process's id, 0..N-1 (or QSDP_PROCESS_ID)"
+    )
+    g.add_argument(
+        "--process-logs", type=Path, default=None, metavar="DIR", help="every process logs to DIR/process_<i>.log"
+    )
+    g.add_argument(
+        "--init-timeout",
+        type=positive_int,
+        default=None,
+        metavar="S",
+        help="seconds the processes wait for each other at start, then each says "
+        "what is wrong and exits with status 69 (or QSDP_INIT_TIMEOUT_S; default 60)",
+    )
+    g.add_argument(
+        "--peer-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="S",
+        help="a process that dies or exits early ends the others at once, one that "
+        "sends no heartbeat for S seconds (frozen, network down) after S: each says "
+        "which process and exits with status 75 (default: 10)",
+    )
 
 
 def parse_mesh(spec: str) -> tuple[tuple[str, int | None], ...]:
@@ -70,8 +101,7 @@ def parse_mesh(spec: str) -> tuple[tuple[str, int | None], ...]:
         elif size.strip().isdigit() and int(size) > 0:
             axes.append((name, int(size)))
         else:
-            raise ValueError(f"--mesh {spec!r}: size {size!r} of axis {name!r} must be a positive "
-                             "integer or left out")
+            raise ValueError(f"--mesh {spec!r}: size {size!r} of axis {name!r} must be a positive integer or left out")
     if len({n for n, _ in axes}) != len(axes):
         raise ValueError(f"--mesh {spec!r}: an axis name appears twice")
     if len(axes) > 2:
@@ -79,7 +109,8 @@ def parse_mesh(spec: str) -> tuple[tuple[str, int | None], ...]:
     if len(axes) == 2 and axes[0][0] not in OUTER_AXES:
         raise ValueError(
             f"--mesh {spec!r}: unknown outer axis {axes[0][0]!r}; use node (hierarchical FSDP, "
-            "e.g. node=2,local=4) or replica (hybrid sharding, e.g. replica=2,fsdp=4)")
+            "e.g. node=2,local=4) or replica (hybrid sharding, e.g. replica=2,fsdp=4)"
+        )
     return tuple(axes)
 
 
@@ -105,8 +136,9 @@ def mesh_sizes(spec: str, num_devices: int, num_processes: int) -> tuple[tuple[s
     (outer, o), (inner, i) = axes
     if o is None and i is None:
         if num_processes == 1:
-            raise ValueError(f"--mesh {spec}: give the sizes with one process, e.g. "
-                             f"{outer}=2,{inner}={max(1, num_devices // 2)}")
+            raise ValueError(
+                f"--mesh {spec}: give the sizes with one process, e.g. {outer}=2,{inner}={max(1, num_devices // 2)}"
+            )
         o = num_processes
     if o is None:
         assert i is not None  # both left out is handled just above
@@ -116,7 +148,9 @@ def mesh_sizes(spec: str, num_devices: int, num_processes: int) -> tuple[tuple[s
     if not o or not i or o * i != num_devices:
         raise ValueError(
             f"--mesh {spec}: {num_devices} devices do not factor into {outer} x {inner}"
-            + (f" = {o} x {i}" if o and i else "") + "; the sizes must multiply to the device count")
+            + (f" = {o} x {i}" if o and i else "")
+            + "; the sizes must multiply to the device count"
+        )
     return ((outer, o), (inner, i))
 
 
@@ -127,9 +161,13 @@ def start_distributed(args: argparse.Namespace):
     heartbeat = None  # JAX's own heartbeat timeout: above --peer-timeout, so that ours comes first
     if not os.environ.get(distributed.ENV_HEARTBEAT):
         heartbeat = max(10, math.ceil(args.peer_timeout) + 10)
-    info = distributed.initialize(coordinator=args.coordinator, num_processes=args.num_processes,
-                                  process_id=args.process_id, init_timeout_s=args.init_timeout,
-                                  heartbeat_timeout_s=heartbeat)
+    info = distributed.initialize(
+        coordinator=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        init_timeout_s=args.init_timeout,
+        heartbeat_timeout_s=heartbeat,
+    )
     if args.process_logs is not None:
         distributed.enable_process_log(args.process_logs)
     return info

@@ -73,8 +73,7 @@ def load_text(path: PathLike) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(
-            f"Text file {str(p)!r} is not valid UTF-8: byte 0x{data[e.start]:02x} "
-            f"at offset {e.start} ({e.reason})"
+            f"Text file {str(p)!r} is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} ({e.reason})"
         ) from None
     if not text.strip():
         what = "empty" if not text else "whitespace only"
@@ -113,9 +112,7 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def split_tokens(
-    tokens: np.ndarray, val_fraction: float = 0.1, seq_len: int = 1
-) -> tuple[np.ndarray, np.ndarray]:
+def split_tokens(tokens: np.ndarray, val_fraction: float = 0.1, seq_len: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Contiguous split: the first ``1 - val_fraction`` is train, the rest validation.
 
     Both parts must hold at least one sequence (``seq_len + 1`` tokens: the

@@ -60,15 +60,30 @@ def comparison_table(fp32: dict, qsdp: dict) -> str:
     c = comparison(fp32, qsdp)
     q_name = qsdp.get("name", "QSDP")
     rows = [
-        ("validation loss", f"{fp32['val_loss']:.4f}", f"{qsdp['val_loss']:.4f}",
-         f"{100 * c['val_loss_gap_relative']:+.2f}%"),
-        ("train loss", f"{fp32['train_loss']:.4f}", f"{qsdp['train_loss']:.4f}",
-         f"{100 * c['train_loss_gap_relative']:+.2f}%"),
-        ("wire bytes / step / device", _bytes(fp32["wire_bytes_per_step"]),
-         _bytes(qsdp["wire_bytes_per_step"]), f"{c['bytes_ratio_fp32_over_qsdp']:.2f}x fewer"),
-        ("tokens/s (simulated, CPU)" if "simulated" in fp32.get("devices", "simulated")
-         else "tokens/s", f"{fp32['tokens_per_s']:,.0f}", f"{qsdp['tokens_per_s']:,.0f}",
-         f"{c['tokens_per_s_ratio_qsdp_over_fp32']:.2f}x"),
+        (
+            "validation loss",
+            f"{fp32['val_loss']:.4f}",
+            f"{qsdp['val_loss']:.4f}",
+            f"{100 * c['val_loss_gap_relative']:+.2f}%",
+        ),
+        (
+            "train loss",
+            f"{fp32['train_loss']:.4f}",
+            f"{qsdp['train_loss']:.4f}",
+            f"{100 * c['train_loss_gap_relative']:+.2f}%",
+        ),
+        (
+            "wire bytes / step / device",
+            _bytes(fp32["wire_bytes_per_step"]),
+            _bytes(qsdp["wire_bytes_per_step"]),
+            f"{c['bytes_ratio_fp32_over_qsdp']:.2f}x fewer",
+        ),
+        (
+            "tokens/s (simulated, CPU)" if "simulated" in fp32.get("devices", "simulated") else "tokens/s",
+            f"{fp32['tokens_per_s']:,.0f}",
+            f"{qsdp['tokens_per_s']:,.0f}",
+            f"{c['tokens_per_s_ratio_qsdp_over_fp32']:.2f}x",
+        ),
     ]
     header = ("", "fp32 FSDP", q_name, f"{q_name} vs fp32")
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(4)]
@@ -92,9 +107,22 @@ def main(argv=None) -> int:
 
     n = jax.device_count()
     batch = BATCH if BATCH % n == 0 else n * -(-BATCH // n)  # a multiple of the device count
-    common = ["--preset", "tiny", "--steps", str(args.steps), "--batch", str(batch), "--seed", "0",
-              "--eval-every", str(max(1, args.steps // 4)), "--eval-batches", "16",
-              "--overwrite", "--no-fp32-ratio"]
+    common = [
+        "--preset",
+        "tiny",
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(batch),
+        "--seed",
+        "0",
+        "--eval-every",
+        str(max(1, args.steps // 4)),
+        "--eval-batches",
+        "16",
+        "--overwrite",
+        "--no-fp32-ratio",
+    ]
     runs = [("fp32", ["--fp32"]), ("qsdp-sr-W8G8", ["--weight-bits", "8", "--grad-bits", "8"])]
     summaries = {}
     for i, (name, flags) in enumerate(runs):
@@ -112,12 +140,20 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     print()
     devices = fp32.get("devices", f"{fp32['n_devices']} devices")
-    print(HEADER.format(n_params=f"{fp32['n_params'] / 1e6:.2f}M params", steps=args.steps,
-                        devices=devices, cpu_note=CPU_NOTE if "simulated" in devices else ""))
+    print(
+        HEADER.format(
+            n_params=f"{fp32['n_params'] / 1e6:.2f}M params",
+            steps=args.steps,
+            devices=devices,
+            cpu_note=CPU_NOTE if "simulated" in devices else "",
+        )
+    )
     print()
     print(table)
-    print(f"\nboth runs in {wall:.0f} s; per-run files (metrics.jsonl, loss.png, ...) in "
-          f"{args.out}/fp32 and {args.out}/qsdp-sr-W8G8")
+    print(
+        f"\nboth runs in {wall:.0f} s; per-run files (metrics.jsonl, loss.png, ...) in "
+        f"{args.out}/fp32 and {args.out}/qsdp-sr-W8G8"
+    )
     record = {"fp32": fp32, "qsdp": qsdp, **comparison(fp32, qsdp), "table": table, "wall_s": wall}
     (args.out / "comparison.json").write_text(json.dumps(record, indent=1) + "\n")
     return 0

@@ -55,5 +55,4 @@ def describe_devices(devices) -> str:
     kind = getattr(devices[0], "device_kind", platform)
     nproc = len({d.process_index for d in devices})
     what = "simulated" if platform == "cpu" and len(devices) > nproc else kind
-    return (f"{len(devices)} {platform} device{'s' * (len(devices) != 1)} ({what}, "
-            f"{nproc} process{'es' * (nproc != 1)})")
+    return f"{len(devices)} {platform} device{'s' * (len(devices) != 1)} ({what}, {nproc} process{'es' * (nproc != 1)})"

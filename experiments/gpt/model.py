@@ -86,9 +86,7 @@ class GPTConfig:
         for name in ("seq_len", "d_model", "n_layers", "n_heads", "d_ff", "vocab_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise ValueError(
-                    f"GPTConfig.{name}={value!r}: must be an int, got {type(value).__name__}"
-                )
+                raise ValueError(f"GPTConfig.{name}={value!r}: must be an int, got {type(value).__name__}")
             if value <= 0:
                 raise ValueError(f"GPTConfig.{name}={value}: must be positive")
             object.__setattr__(self, name, int(value))
@@ -98,22 +96,16 @@ class GPTConfig:
                 f"n_heads={self.n_heads} (d_model % n_heads == 0)"
             )
         if not isinstance(self.tie_embeddings, (bool, np.bool_)):
-            raise ValueError(
-                f"GPTConfig.tie_embeddings={self.tie_embeddings!r}: must be a bool"
-            )
+            raise ValueError(f"GPTConfig.tie_embeddings={self.tie_embeddings!r}: must be a bool")
         object.__setattr__(self, "tie_embeddings", bool(self.tie_embeddings))
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             try:
                 dt = jnp.dtype(value)
             except TypeError as e:
-                raise ValueError(
-                    f"GPTConfig.{name}={value!r}: not a dtype name ({e})"
-                ) from None
+                raise ValueError(f"GPTConfig.{name}={value!r}: not a dtype name ({e})") from None
             if not jnp.issubdtype(dt, jnp.floating):
-                raise ValueError(
-                    f"GPTConfig.{name}={value!r}: must be a floating dtype"
-                )
+                raise ValueError(f"GPTConfig.{name}={value!r}: must be a floating dtype")
             object.__setattr__(self, name, dt.name)
 
     @property
@@ -144,9 +136,7 @@ class GPTConfig:
             fields["d_ff"] = None  # keep the 4 * d_model default
         unknown = set(overrides) - set(fields)
         if unknown:
-            raise ValueError(
-                f"unknown GPTConfig field(s) {sorted(unknown)}; fields are {sorted(fields)}"
-            )
+            raise ValueError(f"unknown GPTConfig field(s) {sorted(unknown)}; fields are {sorted(fields)}")
         fields.update(overrides)
         return cls(**fields)
 
@@ -179,8 +169,9 @@ def _normal(std: float):
     return nnx.initializers.normal(stddev=std)
 
 
-def _linear(cfg: GPTConfig, d_in: int, d_out: int, rngs: nnx.Rngs, *, std: float = INIT_STD,
-            use_bias: bool = True) -> nnx.Linear:
+def _linear(
+    cfg: GPTConfig, d_in: int, d_out: int, rngs: nnx.Rngs, *, std: float = INIT_STD, use_bias: bool = True
+) -> nnx.Linear:
     return nnx.Linear(
         d_in,
         d_out,
@@ -223,9 +214,7 @@ class CausalSelfAttention(nnx.Module):
         v_BxLxHxK = self.v(x_BxLxD).reshape(B, L, H, K)
         # Scaled (1/sqrt(K)) softmax attention with a causal mask; XLA implementation so
         # that the result is deterministic and identical on every backend.
-        y_BxLxHxK = jax.nn.dot_product_attention(
-            q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True, implementation="xla"
-        )
+        y_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True, implementation="xla")
         return self.o(y_BxLxHxK.reshape(B, L, H * K))
 
 
@@ -261,8 +250,7 @@ class Embedding(nnx.Module):
     """Token embedding + learned absolute position embedding."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        kw = dict(dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
-                  embedding_init=_normal(INIT_STD), rngs=rngs)
+        kw = dict(dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, embedding_init=_normal(INIT_STD), rngs=rngs)
         self.tok = nnx.Embed(cfg.vocab_size, cfg.d_model, **kw)
         self.pos = nnx.Embed(cfg.seq_len, cfg.d_model, **kw)
 
@@ -323,9 +311,7 @@ def _to_pure(module: nnx.Module) -> dict:
 def _rebuild(d: _Def, pure: PyTree, what: str) -> nnx.Module:
     leaves, treedef = jax.tree.flatten(pure)
     if treedef != d.treedef:
-        raise ValueError(
-            f"parameters of {what} have structure {treedef}, expected {d.treedef}"
-        )
+        raise ValueError(f"parameters of {what} have structure {treedef}, expected {d.treedef}")
     shapes = tuple(tuple(jnp.shape(l)) for l in leaves)
     if shapes != d.shapes:
         raise ValueError(f"parameters of {what} have shapes {shapes}, expected {d.shapes}")
@@ -382,9 +368,7 @@ class GPT:
         for group, d in defs.items():
             leaves = d.abstract
             if group in STACKED_GROUPS:
-                leaves = tuple(
-                    jax.ShapeDtypeStruct((self.cfg.n_layers, *a.shape), a.dtype) for a in leaves
-                )
+                leaves = tuple(jax.ShapeDtypeStruct((self.cfg.n_layers, *a.shape), a.dtype) for a in leaves)
             out[group] = jax.tree.unflatten(d.treedef, leaves)
         return out
 
@@ -481,9 +465,7 @@ def _check_inputs(cfg: GPTConfig, x, name: str) -> None:
     if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
         raise ValueError(f"{name} must be integer token ids, got {jnp.result_type(x)}")
     if jnp.shape(x)[1] > cfg.seq_len:
-        raise ValueError(
-            f"{name} length {jnp.shape(x)[1]} exceeds GPTConfig.seq_len={cfg.seq_len}"
-        )
+        raise ValueError(f"{name} length {jnp.shape(x)[1]} exceeds GPTConfig.seq_len={cfg.seq_len}")
 
 
 def _check_batch(cfg: GPTConfig, batch) -> tuple[jax.Array, jax.Array]:
@@ -497,9 +479,7 @@ def _check_batch(cfg: GPTConfig, batch) -> tuple[jax.Array, jax.Array]:
     _check_inputs(cfg, inputs, "inputs")
     _check_inputs(cfg, targets, "targets")
     if jnp.shape(inputs) != jnp.shape(targets):
-        raise ValueError(
-            f"inputs {jnp.shape(inputs)} and targets {jnp.shape(targets)} differ in shape"
-        )
+        raise ValueError(f"inputs {jnp.shape(inputs)} and targets {jnp.shape(targets)} differ in shape")
     return inputs, targets
 
 

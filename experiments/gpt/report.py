@@ -11,6 +11,7 @@ from pathlib import Path
 from experiments.gpt.args import ARTIFACTS
 from experiments.gpt.files import write_atomic
 
+
 class Progress:
     """One progress line on stderr: ``\\r``-updated on a TTY, a plain line every ~10% otherwise."""
 
@@ -75,6 +76,7 @@ def _num(x: float) -> str:
             return f"{x / scale:.2f} {unit}"
     return f"{x:.0f} B"
 
+
 def plot_loss(history, path: Path, title: str) -> None:
     import matplotlib
 
@@ -101,15 +103,12 @@ def plot_loss(history, path: Path, title: str) -> None:
 def summary_text(summary: dict, report_table: str | None) -> str:
     devices = summary.get("devices", f"{summary['n_devices']} devices")
     lines = [
-        f"run            {summary['name']}  ({summary['n_params']:,} params, "
-        f"{devices}, {summary['steps']} steps)",
+        f"run            {summary['name']}  ({summary['n_params']:,} params, {devices}, {summary['steps']} steps)",
         f"train loss     {summary['train_loss']:.4f}  (mean of the last 10% of steps)",
         f"val loss       {summary['val_loss']:.4f}",
         f"tokens/s       {summary['tokens_per_s']:,.0f}"
-        + ("  (simulated devices on CPU: compute, not network, speed)" if "simulated" in devices
-           else ""),
-        f"time           setup {summary['setup_s']:.1f} s (data, init, compiling)   "
-        f"wall {summary['wall_s']:.1f} s",
+        + ("  (simulated devices on CPU: compute, not network, speed)" if "simulated" in devices else ""),
+        f"time           setup {summary['setup_s']:.1f} s (data, init, compiling)   wall {summary['wall_s']:.1f} s",
         f"wire bytes     {_num(summary['wire_bytes_per_step'])} per device per step",
     ]
     by_axis = summary.get("wire_bytes_by_axis") or {}
@@ -118,8 +117,7 @@ def summary_text(summary: dict, report_table: str | None) -> str:
     ratio = summary.get("bytes_ratio_vs_fp32")
     if ratio is not None:
         lines.append(
-            f"vs fp32 FSDP   {ratio:.2f}x fewer bytes ({_num(summary['fp32_wire_bytes_per_step'])} "
-            "per step in fp32)"
+            f"vs fp32 FSDP   {ratio:.2f}x fewer bytes ({_num(summary['fp32_wire_bytes_per_step'])} per step in fp32)"
         )
     if summary.get("bit_policy"):  # the bits of every sharded leaf
         lines += ["", "bit policy     " + summary["bit_policy"]["rules"], summary["bit_policy"]["table"]]

@@ -151,8 +151,7 @@ class RunCheckpoints:
 
     def restore(self, trainer) -> int:
         """Load the latest complete checkpoint into ``trainer.state``; returns its step."""
-        state, extra = self.ckpt.restore(trainer.state, trainer.run.qsdp, trainer.mesh,
-                                         identity=self.identity(trainer))
+        state, extra = self.ckpt.restore(trainer.state, trainer.run.qsdp, trainer.mesh, identity=self.identity(trainer))
         trainer.state = state
         step = int(state.step)
         if extra.get("data_position", step) != step:
@@ -164,9 +163,13 @@ class RunCheckpoints:
         step = int(trainer.state.step)
         if not force and (not self.every or step % self.every):
             return False
-        return self.ckpt.save(trainer.state, trainer.run.qsdp, trainer.mesh,
-                              identity=self.identity(trainer),
-                              extra={"data_position": step, "seed": trainer.run.seed})
+        return self.ckpt.save(
+            trainer.state,
+            trainer.run.qsdp,
+            trainer.mesh,
+            identity=self.identity(trainer),
+            extra={"data_position": step, "seed": trainer.run.seed},
+        )
 
     def close(self) -> None:
         self.ckpt.close()

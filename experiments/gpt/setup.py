@@ -15,6 +15,7 @@ from experiments.gpt.cluster_args import mesh_sizes, start_distributed
 from experiments.gpt.devices import simulate_cpu_devices, use_available_devices
 from experiments.gpt.args import CLIError, check_out_dir, default_out, qsdp_kwargs
 
+
 def select_devices(n: int | None):
     """The first ``n`` devices JAX found (all of them when ``n`` is None)."""
     import jax
@@ -30,11 +31,15 @@ def select_devices(n: int | None):
                 f"starts (XLA_FLAGS=--xla_force_host_platform_device_count={n}); use --devices "
                 f"{len(devs)} or run in a fresh process"
             )
-        raise CLIError(f"--devices {n}, but jax found only {len(devs)} {devs[0].platform} "
-                       f"device(s): use --devices {len(devs)} or leave it out")
+        raise CLIError(
+            f"--devices {n}, but jax found only {len(devs)} {devs[0].platform} "
+            f"device(s): use --devices {len(devs)} or leave it out"
+        )
     if n < len(devs) and jax.process_count() > 1:
-        raise CLIError(f"--devices {n} with {jax.process_count()} processes: every process's "
-                       f"devices take part, leave --devices out (there are {len(devs)})")
+        raise CLIError(
+            f"--devices {n} with {jax.process_count()} processes: every process's "
+            f"devices take part, leave --devices out (there are {len(devs)})"
+        )
     return devs[:n]
 
 
@@ -43,8 +48,7 @@ def setup_devices(args: argparse.Namespace):
     starting ``jax.distributed`` when there are several processes."""
     if args.simulate_devices is not None:
         if args.devices is not None and args.devices > args.simulate_devices:
-            raise CLIError(f"--devices {args.devices} is more than --simulate-devices "
-                           f"{args.simulate_devices}")
+            raise CLIError(f"--devices {args.devices} is more than --simulate-devices {args.simulate_devices}")
         simulate_cpu_devices(args.simulate_devices)
     else:
         use_available_devices(args.devices or 8)
@@ -67,7 +71,8 @@ def build_run_config(args: argparse.Namespace, mesh: tuple = ()):
 
     kw = qsdp_kwargs(args)
     overrides = tuple(
-        (k, v) for k, v in (("d_model", args.d_model), ("n_layers", args.n_layers), ("n_heads", args.n_heads))
+        (k, v)
+        for k, v in (("d_model", args.d_model), ("n_layers", args.n_layers), ("n_heads", args.n_heads))
         if v is not None
     )
     warmup = args.warmup  # None: RunConfig picks min(30, steps // 10)
@@ -75,10 +80,19 @@ def build_run_config(args: argparse.Namespace, mesh: tuple = ()):
     try:
         cfg = q.QSDPConfig(**kw)
         run = RunConfig(
-            qsdp=cfg, preset=args.preset, model_overrides=overrides, steps=args.steps,
-            batch_size=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=warmup,
-            schedule=args.schedule, seed=args.seed, eval_every=eval_every,
-            eval_batches=args.eval_batches, data_path=None if args.data is None else str(args.data),
+            qsdp=cfg,
+            preset=args.preset,
+            model_overrides=overrides,
+            steps=args.steps,
+            batch_size=args.batch,
+            seq_len=args.seq_len,
+            lr=args.lr,
+            warmup=warmup,
+            schedule=args.schedule,
+            seed=args.seed,
+            eval_every=eval_every,
+            eval_batches=args.eval_batches,
+            data_path=None if args.data is None else str(args.data),
             mesh=mesh,
         )
     except (ValueError, TypeError) as e:
@@ -96,10 +110,13 @@ def fp32_wire_bytes(trainer) -> float:
     from qsdp_jax import comm
 
     run = dataclasses.replace(
-        trainer.run, qsdp=q.QSDPConfig.fp32(
-            bucket_size=trainer.run.qsdp.bucket_size, min_shard_size=trainer.run.qsdp.min_shard_size,
-            seed=trainer.run.qsdp.seed, axis_name=trainer.run.qsdp.axis_name,
-        )
+        trainer.run,
+        qsdp=q.QSDPConfig.fp32(
+            bucket_size=trainer.run.qsdp.bucket_size,
+            min_shard_size=trainer.run.qsdp.min_shard_size,
+            seed=trainer.run.qsdp.seed,
+            axis_name=trainer.run.qsdp.axis_name,
+        ),
     )
     opt = make_optimizer(run)
     params = jax.eval_shape(lambda: trainer.model.init_params(run.seed))
@@ -130,8 +147,7 @@ def _one_process_hint(args: argparse.Namespace) -> bool:
 
 
 # Flags that may differ between the processes of one run: everything else must be the same.
-PROCESS_LOCAL = ("process_id", "process_logs", "devices", "simulate_devices", "coordinator",
-                 "quiet", "argv")
+PROCESS_LOCAL = ("process_id", "process_logs", "devices", "simulate_devices", "coordinator", "quiet", "argv")
 
 
 def run_settings(args: argparse.Namespace) -> dict:
@@ -144,8 +160,7 @@ def run_settings(args: argparse.Namespace) -> dict:
 
     import qsdp_jax
 
-    settings = {"--" + k.replace("_", "-"): v for k, v in sorted(vars(args).items())
-                if k not in PROCESS_LOCAL}
+    settings = {"--" + k.replace("_", "-"): v for k, v in sorted(vars(args).items()) if k not in PROCESS_LOCAL}
     if args.data is not None:
         settings["data_sha256"] = hashlib.sha256(Path(args.data).read_bytes()).hexdigest()
     settings["versions"] = {"jax": jax.__version__, "qsdp_jax": qsdp_jax.__version__}
@@ -168,8 +183,9 @@ def _configure(args: argparse.Namespace, devices):
     from qsdp_jax import distributed
 
     if args.batch % len(devices):
-        raise CLIError(f"--batch {args.batch} does not divide over {len(devices)} devices: use a "
-                       f"multiple of {len(devices)}")
+        raise CLIError(
+            f"--batch {args.batch} does not divide over {len(devices)} devices: use a multiple of {len(devices)}"
+        )
     qsdp_kwargs(args)  # flag combinations first, then the mesh's sizes
     try:
         mesh = mesh_sizes(args.mesh, len(devices), distributed.num_processes())
@@ -203,8 +219,7 @@ def prepare_run(args: argparse.Namespace):
         raise CLIError(f"--data {args.data}: no such file")
     for n in (args.devices, args.simulate_devices):
         if n is not None and args.batch % n:
-            raise CLIError(f"--batch {args.batch} does not divide over {n} devices: use a "
-                           f"multiple of {n}")
+            raise CLIError(f"--batch {args.batch} does not divide over {n} devices: use a multiple of {n}")
     if args.out is not None and _is_main_process_hint() and _one_process_hint(args):
         check_out_dir(Path(args.out), args.overwrite, args.resume)  # before the (slow) jax import
     devices = setup_devices(args)
@@ -219,10 +234,12 @@ def prepare_run(args: argparse.Namespace):
         main = distributed.is_main_process()
         cfg, run = _together("trainer setup", _configure, args, devices)
         # process 0's default directory (its timestamp) on every process: checkpoints go there
-        out = Path(args.out if args.out is not None else distributed.from_process_0(
-            str(default_out(args.preset, cfg.name)), what="output directory"))
-        _together("output directory check", check_out_dir, out, args.overwrite, args.resume,
-                  main_only=True)
+        out = Path(
+            args.out
+            if args.out is not None
+            else distributed.from_process_0(str(default_out(args.preset, cfg.name)), what="output directory")
+        )
+        _together("output directory check", check_out_dir, out, args.overwrite, args.resume, main_only=True)
     except CLIError:
         finish_peers()  # every process stops with this error: none is lost
         raise

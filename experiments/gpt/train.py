@@ -37,6 +37,7 @@ from experiments.gpt.report import Progress, _num, plot_loss, summary_text
 from experiments.gpt.run_files import MetricsLog, RunCheckpoints, Stopped, StopSignals, open_checkpoints, resume_step
 from experiments.gpt.setup import finish_peers, fp32_wire_bytes, prepare_run
 
+
 def _set_up_trainer(args, devices, cfg, run):
     """The Trainer for ``run`` (compiles nothing yet); CLIError when the data cannot feed it."""
     from qsdp_jax import distributed  # imports jax: after prepare_run set the device flags
@@ -47,7 +48,10 @@ def _set_up_trainer(args, devices, cfg, run):
         distributed.main_print(
             f"{cfg.name}: setting up on {describe_devices(devices)}"
             + (f", mesh {dict(run.mesh)}" if run.mesh else "")
-            + " and compiling the train step ...", file=sys.stderr, flush=True)
+            + " and compiling the train step ...",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         trainer = tr.Trainer(run, devices)
         # Evaluation batches are drawn lazily by the trainer: check the split holds one now.
@@ -84,12 +88,13 @@ def _write_results(args, cfg, out, summary, history, report, trainer, print_summ
     """Process 0's ``summary.json``, ``loss.png`` and printed summary."""
     write_atomic(out / "summary.json", dumps_strict(summary, indent=1) + "\n")
     model = trainer.model.cfg
-    plot_loss(history, out / "loss.png",
-              f"{cfg.name}: GPT d{model.d_model} L{model.n_layers} on {summary['devices']}")
+    plot_loss(history, out / "loss.png", f"{cfg.name}: GPT d{model.d_model} L{model.n_layers} on {summary['devices']}")
     if print_summary:
         if args.quiet:
-            print(f"{cfg.name}: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}, "
-                  f"{_num(summary['wire_bytes_per_step'])}/step; wrote {out}")
+            print(
+                f"{cfg.name}: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}, "
+                f"{_num(summary['wire_bytes_per_step'])}/step; wrote {out}"
+            )
         else:
             print(summary_text(summary, report.table()))
 
@@ -101,14 +106,22 @@ def _watchdog(trainer, ckpts, timeout_s):
     def try_save():
         if ckpts is None:
             return "No --checkpoint-dir: nothing saved"
-        return save_or_explain(lambda: ckpts.save(trainer, force=True) and ckpts.ckpt.wait(),
-                               trainer.state, ckpts.latest_step)
+        return save_or_explain(
+            lambda: ckpts.save(trainer, force=True) and ckpts.ckpt.wait(), trainer.state, ckpts.latest_step
+        )
 
     return StepWatchdog(timeout_s, on_timeout=try_save, what="the trainer")
 
 
-def train_loop(trainer, out: Path, start: int, progress, ckpts: RunCheckpoints | None,
-               failure_timeout: float | None = None, write_metrics: bool = True) -> list:
+def train_loop(
+    trainer,
+    out: Path,
+    start: int,
+    progress,
+    ckpts: RunCheckpoints | None,
+    failure_timeout: float | None = None,
+    write_metrics: bool = True,
+) -> list:
     """Train from ``start`` to the end, streaming metrics and saving checkpoints; the full
     history (earlier rows of a resumed run included). Raises :class:`Stopped` on SIGTERM/SIGINT
     after saving. With ``failure_timeout``, a :class:`qsdp_jax.watchdog.StepWatchdog` ends the
@@ -120,7 +133,7 @@ def train_loop(trainer, out: Path, start: int, progress, ckpts: RunCheckpoints |
     log = MetricsLog(out / "metrics.jsonl", start, write=write_metrics)  # process 0 writes
     history = [StepLog(**r) for r in log.rows]
     dog = _watchdog(trainer, ckpts, failure_timeout) if failure_timeout is not None else None
-    with StopSignals() as stop, (dog or contextlib.nullcontext()):
+    with StopSignals() as stop, dog or contextlib.nullcontext():
         try:
             steps = trainer.steps()
             while True:
@@ -144,8 +157,11 @@ def train_loop(trainer, out: Path, start: int, progress, ckpts: RunCheckpoints |
         except BaseException:
             if progress.tty and progress.enabled:
                 sys.stderr.write("\n")
-            print(f"training stopped at step {len(history)}/{trainer.run.steps}; the metrics so far "
-                  f"are in {out / 'metrics.jsonl'}", file=sys.stderr)
+            print(
+                f"training stopped at step {len(history)}/{trainer.run.steps}; the metrics so far "
+                f"are in {out / 'metrics.jsonl'}",
+                file=sys.stderr,
+            )
             raise
         finally:
             log.close()
@@ -154,10 +170,15 @@ def train_loop(trainer, out: Path, start: int, progress, ckpts: RunCheckpoints |
     finish_peers()  # the collectives are over: this process may exit before the others
     if stop.received:
         step = int(trainer.state.step)
-        where = (f"saved checkpoint {ckpts.directory}/{step}; continue with --resume" if ckpts is not None
-                 else "no --checkpoint-dir: the weights are not saved")
-        raise Stopped(f"{stop.received} at step {step}/{trainer.run.steps}: {where}",
-                      128 + int(getattr(signal.Signals, stop.received)))
+        where = (
+            f"saved checkpoint {ckpts.directory}/{step}; continue with --resume"
+            if ckpts is not None
+            else "no --checkpoint-dir: the weights are not saved"
+        )
+        raise Stopped(
+            f"{stop.received} at step {step}/{trainer.run.steps}: {where}",
+            128 + int(getattr(signal.Signals, stop.received)),
+        )
     return history
 
 
@@ -183,23 +204,27 @@ def run_cli(args, *, print_summary: bool = True):
     fp32_bytes = _fp32_bytes(args, cfg, trainer, report)
 
     setup_s = time.perf_counter() - t_start
-    progress = Progress(run.steps, run.batch_size * trainer.model.cfg.seq_len,
-                        enabled=not args.quiet and main)
-    history = train_loop(trainer, out, start, progress, ckpts, args.failure_timeout,
-                         write_metrics=main)
+    progress = Progress(run.steps, run.batch_size * trainer.model.cfg.seq_len, enabled=not args.quiet and main)
+    history = train_loop(trainer, out, start, progress, ckpts, args.failure_timeout, write_metrics=main)
 
     result = tr.summarise(trainer, history, report, time.perf_counter() - t_start, compile_s)
     summary = {k: v for k, v in result.as_dict().items() if k != "history"}
     summary.update(
-        name=cfg.name, steps=run.steps, out_dir=str(out), setup_s=setup_s,
+        name=cfg.name,
+        steps=run.steps,
+        out_dir=str(out),
+        setup_s=setup_s,
         fp32_wire_bytes_per_step=fp32_bytes,
         bytes_ratio_vs_fp32=(fp32_bytes / report.total_bytes) if fp32_bytes and report.total_bytes else None,
-        devices=describe_devices(devices), mesh=dict(trainer.mesh.shape),
+        devices=describe_devices(devices),
+        mesh=dict(trainer.mesh.shape),
         wire_bytes_by_axis=report.by_axis(trainer.mesh),
     )
     if cfg.bit_policy:
-        summary["bit_policy"] = {"rules": "; ".join(f"{p}={str(w).lower()},{str(g).lower()}" for p, w, g in cfg.bit_policy),
-                                 "table": trainer.state.layout.bits_table(cfg)}
+        summary["bit_policy"] = {
+            "rules": "; ".join(f"{p}={str(w).lower()},{str(g).lower()}" for p, w, g in cfg.bit_policy),
+            "table": trainer.state.layout.bits_table(cfg),
+        }
     if main:
         _write_results(args, cfg, out, summary, history, report, trainer, print_summary)
     return result

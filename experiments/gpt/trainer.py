@@ -66,7 +66,11 @@ class RunConfig:
             object.__setattr__(self, "warmup", min(30, self.steps // 10))
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or not 0 <= self.warmup < self.steps:
             raise ValueError(f"RunConfig.warmup={self.warmup!r} is invalid: must be an integer in [0, steps)")
-        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (math.isfinite(self.lr) and self.lr > 0):
+        if (
+            isinstance(self.lr, bool)
+            or not isinstance(self.lr, (int, float))
+            or not (math.isfinite(self.lr) and self.lr > 0)
+        ):
             raise ValueError(f"RunConfig.lr={self.lr!r} is invalid: must be a positive number")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"RunConfig.schedule={self.schedule!r} is invalid: must be one of {SCHEDULES}")
@@ -98,14 +102,16 @@ def _check_mesh(mesh: tuple, cfg: q.QSDPConfig) -> None:
         if cfg.outer_axis is not None:
             raise ValueError(
                 f"RunConfig.mesh=() is invalid: the config runs on the 2-D mesh {cfg.mesh_axes}; "
-                f"give its sizes, e.g. mesh=(({cfg.mesh_axes[0]!r}, 2), ({cfg.axis_name!r}, 4))")
+                f"give its sizes, e.g. mesh=(({cfg.mesh_axes[0]!r}, 2), ({cfg.axis_name!r}, 4))"
+            )
         return
     names = tuple(name for name, _ in mesh)
     if names != cfg.mesh_axes:
         raise ValueError(
             f"RunConfig.mesh={dict(mesh)} is invalid: its axes {names} are not the ones the config "
             f"knows, {cfg.mesh_axes} (axis_name={cfg.axis_name!r}, node_axis={cfg.node_axis!r}, "
-            f"replica_axis={cfg.replica_axis!r})")
+            f"replica_axis={cfg.replica_axis!r})"
+        )
 
 
 def make_schedule(run: RunConfig) -> optax.Schedule:
@@ -179,9 +185,7 @@ class Trainer:
         n = self.mesh.size
         self.batch_sharding = NamedSharding(self.mesh, P(run.qsdp.batch_axes))
         if run.batch_size % n:
-            raise ValueError(
-                f"batch_size={run.batch_size} does not divide over {n} devices: use a multiple of {n}"
-            )
+            raise ValueError(f"batch_size={run.batch_size} does not divide over {n} devices: use a multiple of {n}")
         self.optimizer = make_optimizer(run)
         # The NNX module, trained through the front door with its own __call__ (the same step,
         # bit for bit, as the ParamAccess GPT: tests/test_nnx_gpt.py); self.model keeps the
@@ -202,8 +206,7 @@ class Trainer:
         the rows of its own devices (a pure function of (seed, step))."""
         shape = (self.run.batch_size, self.model.cfg.seq_len)
         return {
-            key: jax.make_array_from_callback(
-                shape, self.batch_sharding, functools.partial(self._rows, step, key))
+            key: jax.make_array_from_callback(shape, self.batch_sharding, functools.partial(self._rows, step, key))
             for key in ("inputs", "targets")
         }
 
@@ -214,9 +217,10 @@ class Trainer:
 
     def global_batch(self, batch: dict) -> dict:
         """A host batch (the same on every process) as arrays sharded over the mesh."""
-        return {k: jax.make_array_from_callback(np.shape(v), self.batch_sharding,
-                                                functools.partial(_host_rows, v))
-                for k, v in batch.items()}
+        return {
+            k: jax.make_array_from_callback(np.shape(v), self.batch_sharding, functools.partial(_host_rows, v))
+            for k, v in batch.items()
+        }
 
     def wire_report(self) -> comm.CommReport:
         return comm.comm_report(self.step_fn, self.state, self.batch(0))
@@ -236,13 +240,22 @@ class Trainer:
             self.state, metrics = self.step_fn(self.state, self.batch(i))
             metrics = jax.device_get(metrics)
             log = StepLog(
-                step=i + 1, loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]),
-                nonfinite=int(metrics["nonfinite"]), seconds=time.perf_counter() - t0,
+                step=i + 1,
+                loss=float(metrics["loss"]),
+                grad_norm=float(metrics["grad_norm"]),
+                nonfinite=int(metrics["nonfinite"]),
+                seconds=time.perf_counter() - t0,
             )
             if (i + 1) % self.run.eval_every == 0 or i + 1 == self.run.steps:
                 log.val_loss = self.evaluate()
-            _LOG.info("step %d loss %.6f grad_norm %.4f val %s %.3f s", log.step, log.loss,
-                      log.grad_norm, log.val_loss, log.seconds)  # per-process logs, when enabled
+            _LOG.info(
+                "step %d loss %.6f grad_norm %.4f val %s %.3f s",
+                log.step,
+                log.loss,
+                log.grad_norm,
+                log.val_loss,
+                log.seconds,
+            )  # per-process logs, when enabled
             yield log
 
 
@@ -270,7 +283,7 @@ def summarise(trainer: Trainer, history: list[StepLog], report, wall_s: float, c
     run = trainer.run
     if not history:
         raise ValueError(f"nothing to summarise: the state is already at step {run.steps}")
-    tail = history[-max(1, len(history) // 10):]
+    tail = history[-max(1, len(history) // 10) :]
     timed = [h.seconds for h in history[1:]] or [history[0].seconds]
     tokens = run.batch_size * trainer.model.cfg.seq_len
     assert history[-1].val_loss is not None  # the last step is always evaluated

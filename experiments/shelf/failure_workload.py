@@ -51,8 +51,7 @@ def batch_at(step: int, mesh):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     r = np.random.default_rng(1000 + step)
-    host = {"x": r.normal(size=(BATCH, IN)).astype(np.float32),
-            "y": r.normal(size=(BATCH, 4)).astype(np.float32)}
+    host = {"x": r.normal(size=(BATCH, IN)).astype(np.float32), "y": r.normal(size=(BATCH, 4)).astype(np.float32)}
     sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
     return {k: jax.make_array_from_callback(v.shape, sharding, v.__getitem__) for k, v in host.items()}
 
@@ -77,8 +76,7 @@ def train(out: Path, steps: int, every: int, bound: float, save_timeout: float, 
     current = {"state": state}
 
     def try_save() -> str:
-        return save_or_explain(lambda: ckpt.save(current["state"], config, mesh), current["state"],
-                               ckpt.latest_step)
+        return save_or_explain(lambda: ckpt.save(current["state"], config, mesh), current["state"], ckpt.latest_step)
 
     losses = []
     with StepWatchdog(bound, on_timeout=try_save, save_timeout_s=save_timeout, what=what) as dog:
@@ -116,8 +114,11 @@ def main(argv=None) -> int:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _pin_gloo_to_loopback()
     jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{a.port}", coordinator_bind_address=f"127.0.0.1:{a.port}",
-        num_processes=a.num_processes, process_id=a.process_id, initialization_timeout=120,
+        coordinator_address=f"127.0.0.1:{a.port}",
+        coordinator_bind_address=f"127.0.0.1:{a.port}",
+        num_processes=a.num_processes,
+        process_id=a.process_id,
+        initialization_timeout=120,
         heartbeat_timeout_seconds=int(a.bound + a.save_timeout + 30),
     )
     what = f"process {a.process_id} of {a.num_processes}"

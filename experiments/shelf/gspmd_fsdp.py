@@ -55,8 +55,7 @@ def _n_devices(mesh: Mesh) -> int:
 
 def _stacked_flags(model, params: PyTree) -> PyTree:
     """A tree like ``params``: ``True`` on the leaves of the layer-stacked groups."""
-    return {g: jax.tree.map(lambda _, s=g in model.stacked_groups: s, tree)
-            for g, tree in params.items()}
+    return {g: jax.tree.map(lambda _, s=g in model.stacked_groups: s, tree) for g, tree in params.items()}
 
 
 def _shardings(model, optimizer, mesh: Mesh, params: PyTree) -> tuple[PyTree, PyTree]:
@@ -69,8 +68,12 @@ def _shardings(model, optimizer, mesh: Mesh, params: PyTree) -> tuple[PyTree, Py
     # the rule by shape for each state leaf; a parameter-shaped one keeps its parameter's
     # stacked flag, any other (adam's step count) is treated as unstacked (a scalar: P())
     opt_sh = optax.tree_map_params(
-        optimizer, lambda a, s: named(leaf_spec(a.shape, n, s)), opt_abstract, stacked,
-        transform_non_params=lambda a: named(leaf_spec(a.shape, n, False)))
+        optimizer,
+        lambda a, s: named(leaf_spec(a.shape, n, s)),
+        opt_abstract,
+        stacked,
+        transform_non_params=lambda a: named(leaf_spec(a.shape, n, False)),
+    )
     return param_sh, opt_sh
 
 
@@ -78,8 +81,7 @@ def _default_optimizer(optimizer):
     return optax.adam(1e-3) if optimizer is None else optimizer
 
 
-def abstract_state(model, mesh: Mesh, optimizer: optax.GradientTransformation | None = None
-                   ) -> tuple[PyTree, PyTree]:
+def abstract_state(model, mesh: Mesh, optimizer: optax.GradientTransformation | None = None) -> tuple[PyTree, PyTree]:
     """The sharded train state as ``ShapeDtypeStruct``s, allocating nothing.
 
     Args:
@@ -94,12 +96,13 @@ def abstract_state(model, mesh: Mesh, optimizer: optax.GradientTransformation | 
     params = model.abstract_params()
     param_sh, opt_sh = _shardings(model, optimizer, mesh, params)
     with_sh = lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)  # noqa: E731
-    return (jax.tree.map(with_sh, params, param_sh),
-            jax.tree.map(with_sh, jax.eval_shape(optimizer.init, params), opt_sh))
+    return (
+        jax.tree.map(with_sh, params, param_sh),
+        jax.tree.map(with_sh, jax.eval_shape(optimizer.init, params), opt_sh),
+    )
 
 
-def init_state(model, mesh: Mesh, key, optimizer: optax.GradientTransformation | None = None
-               ) -> tuple[PyTree, PyTree]:
+def init_state(model, mesh: Mesh, key, optimizer: optax.GradientTransformation | None = None) -> tuple[PyTree, PyTree]:
     """Fresh parameters and optimizer state, created already sharded (``jax.jit`` with
     ``out_shardings``, so no device ever holds the full model).
 
@@ -141,5 +144,9 @@ def make_step(model, optimizer: optax.GradientTransformation, mesh: Mesh):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sh),
-                   out_shardings=(param_sh, opt_sh, replicated), donate_argnums=(0, 1))
+    return jax.jit(
+        step,
+        in_shardings=(param_sh, opt_sh, batch_sh),
+        out_shardings=(param_sh, opt_sh, replicated),
+        donate_argnums=(0, 1),
+    )

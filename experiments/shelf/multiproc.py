@@ -33,6 +33,7 @@ before ``WorkerError`` (``WorkerTimeout`` on timeout) is raised with the stderr
 tail of the failed child(ren).  Workers also set PR_SET_PDEATHSIG=SIGKILL, so
 they die if the parent is SIGKILLed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,12 +99,12 @@ def find_free_port(netns: str | None = None, host: str = "127.0.0.1") -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             return s.getsockname()[1]
-    code = (
-        "import socket;s=socket.socket();s.bind(('%s',0));print(s.getsockname()[1])" % host
-    )
+    code = "import socket;s=socket.socket();s.bind(('%s',0));print(s.getsockname()[1])" % host
     out = subprocess.run(
         ["ip", "netns", "exec", netns, sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     if out.returncode != 0:
         raise WorkerError(f"could not pick a port inside netns {netns!r}: {out.stderr.strip()}")
@@ -172,9 +173,7 @@ def _kill_all(children: Sequence[_Child]) -> None:
             pass
 
 
-_FLAG_RE = re.compile(
-    r"--xla_force_host_platform_device_count=\S*|--xla_cpu_multi_thread_eigen=\S*"
-)
+_FLAG_RE = re.compile(r"--xla_force_host_platform_device_count=\S*|--xla_cpu_multi_thread_eigen=\S*")
 
 
 def _child_env(devices_per_process: int, threads: int, extra_env: Mapping[str, str] | None) -> dict:
@@ -199,7 +198,7 @@ def _parse_result(child: _Child) -> dict:
     lines = [l for l in child.read("stdout").splitlines() if l.startswith(RESULT_MARKER)]
     if len(lines) != 1:
         raise ValueError(f"expected exactly one result line, found {len(lines)}")
-    return json.loads(lines[0][len(RESULT_MARKER):])
+    return json.loads(lines[0][len(RESULT_MARKER) :])
 
 
 def _describe(children: Sequence[_Child], failed: Sequence[_Child], header: str) -> tuple[str, dict]:
@@ -210,12 +209,9 @@ def _describe(children: Sequence[_Child], failed: Sequence[_Child], header: str)
         if not t.strip():
             t = "(stderr empty; stdout tail follows)\n" + c.tail("stdout")
         tails[c.process_id] = t
-        parts.append(
-            f"--- process {c.process_id} (rc={c.popen.returncode}) stderr tail ---\n{t.rstrip()}"
-        )
+        parts.append(f"--- process {c.process_id} (rc={c.popen.returncode}) stderr tail ---\n{t.rstrip()}")
     states = ", ".join(
-        f"p{c.process_id}: rc={c.popen.returncode}{' (killed by us)' if c.killed else ''}"
-        for c in children
+        f"p{c.process_id}: rc={c.popen.returncode}{' (killed by us)' if c.killed else ''}" for c in children
     )
     parts.append(f"--- all: {states}")
     return "\n".join(parts), tails
@@ -284,24 +280,31 @@ def run_processes(
         use_port = port if port is not None else find_free_port(coord_ns, coord_host)
         try:
             return _run_once(
-                module, func, num_processes, kwargs_json, devices_per_process, ns_name,
-                timeout_s, use_port, threads_per_process, extra_env, python,
+                module,
+                func,
+                num_processes,
+                kwargs_json,
+                devices_per_process,
+                ns_name,
+                timeout_s,
+                use_port,
+                threads_per_process,
+                extra_env,
+                python,
             )
         except WorkerError as e:
             # a taken coordinator port: grpc logs "Failed to add port" and the
             # process segfaults (rc -11) instead of raising
-            in_use = any(
-                "ddress already in use" in t or "Failed to add port" in t
-                for t in e.stderr_tails.values()
-            )
+            in_use = any("ddress already in use" in t or "Failed to add port" in t for t in e.stderr_tails.values())
             if attempt + 1 < attempts and in_use and not isinstance(e, WorkerTimeout):
                 continue
             raise
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _run_once(module, func, n, kwargs_json, devices, ns_name, timeout_s, port, threads,
-              extra_env, python) -> list[dict]:
+def _run_once(
+    module, func, n, kwargs_json, devices, ns_name, timeout_s, port, threads, extra_env, python
+) -> list[dict]:
     run_id = uuid.uuid4().hex[:12]
     env = _child_env(devices, threads, extra_env)
     children: list[_Child] = []
@@ -312,12 +315,28 @@ def _run_once(module, func, n, kwargs_json, devices, ns_name, timeout_s, port, t
         try:
             for i in range(n):
                 cmd = [
-                    python, "-m", "experiments.shelf.multiproc", "--worker",
-                    "--module", module, "--func", func,
-                    "--process-id", str(i), "--num-processes", str(n),
-                    "--port", str(port), "--kwargs-file", str(kwargs_path),
-                    "--init-timeout", str(max(10, int(timeout_s))),
-                    "--run-id", run_id, "--parent-pid", str(os.getpid()),
+                    python,
+                    "-m",
+                    "experiments.shelf.multiproc",
+                    "--worker",
+                    "--module",
+                    module,
+                    "--func",
+                    func,
+                    "--process-id",
+                    str(i),
+                    "--num-processes",
+                    str(n),
+                    "--port",
+                    str(port),
+                    "--kwargs-file",
+                    str(kwargs_path),
+                    "--init-timeout",
+                    str(max(10, int(timeout_s))),
+                    "--run-id",
+                    run_id,
+                    "--parent-pid",
+                    str(os.getpid()),
                 ]
                 ns_i = ns_name[i] if isinstance(ns_name, tuple) else ns_name
                 if ns_i is not None:
@@ -325,8 +344,13 @@ def _run_once(module, func, n, kwargs_json, devices, ns_name, timeout_s, port, t
                 out_p, err_p = tmpdir / f"p{i}.out", tmpdir / f"p{i}.err"
                 with open(out_p, "wb") as fo, open(err_p, "wb") as fe:
                     popen = subprocess.Popen(
-                        cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, env=env,
-                        cwd=str(REPO_ROOT), start_new_session=True,
+                        cmd,
+                        stdout=fo,
+                        stderr=fe,
+                        stdin=subprocess.DEVNULL,
+                        env=env,
+                        cwd=str(REPO_ROOT),
+                        start_new_session=True,
                     )
                 children.append(_Child(i, popen, out_p, err_p))
 
@@ -340,13 +364,17 @@ def _run_once(module, func, n, kwargs_json, devices, ns_name, timeout_s, port, t
                     failed = [c for c in children if c.popen.poll() not in (None, 0)]
                     _kill_all(children)
                     msg, tails = _describe(
-                        children, failed,
+                        children,
+                        failed,
                         f"{len(failed)} of {n} worker(s) of {module}.{func} failed"
                         f" (netns={ns_name}, port={port}, run_id={run_id})",
                     )
                     raise WorkerError(
-                        msg, returncodes={c.process_id: c.popen.returncode for c in children},
-                        stderr_tails=tails, pids=pids, run_id=run_id,
+                        msg,
+                        returncodes={c.process_id: c.popen.returncode for c in children},
+                        stderr_tails=tails,
+                        pids=pids,
+                        run_id=run_id,
                     )
                 if all(rc == 0 for rc in rcs):
                     break
@@ -354,13 +382,17 @@ def _run_once(module, func, n, kwargs_json, devices, ns_name, timeout_s, port, t
                     live = [c for c in children if c.popen.poll() is None]
                     _kill_all(children)
                     msg, tails = _describe(
-                        children, live,
+                        children,
+                        live,
                         f"timeout after {timeout_s}s: {len(live)} of {n} worker(s) of "
                         f"{module}.{func} still running (netns={ns_name}, port={port}, run_id={run_id})",
                     )
                     raise WorkerTimeout(
-                        msg, returncodes={c.process_id: c.popen.returncode for c in children},
-                        stderr_tails=tails, pids=pids, run_id=run_id,
+                        msg,
+                        returncodes={c.process_id: c.popen.returncode for c in children},
+                        stderr_tails=tails,
+                        pids=pids,
+                        run_id=run_id,
                     )
                 time.sleep(_POLL_S)
 
@@ -372,12 +404,18 @@ def _run_once(module, func, n, kwargs_json, devices, ns_name, timeout_s, port, t
                     bad.append((c, e))
             if bad:
                 msg, tails = _describe(
-                    children, [c for c, _ in bad],
+                    children,
+                    [c for c, _ in bad],
                     "worker(s) exited 0 without a valid result line: "
                     + "; ".join(f"p{c.process_id}: {e}" for c, e in bad),
                 )
-                raise WorkerError(msg, returncodes={c.process_id: c.popen.returncode for c in children},
-                                  stderr_tails=tails, pids=pids, run_id=run_id)
+                raise WorkerError(
+                    msg,
+                    returncodes={c.process_id: c.popen.returncode for c in children},
+                    stderr_tails=tails,
+                    pids=pids,
+                    run_id=run_id,
+                )
             return results
         finally:
             _kill_all(children)  # no-op when all exited; essential on any exception
@@ -419,8 +457,7 @@ def _pin_gloo_to_loopback(host: str = "127.0.0.1") -> None:
         setattr(pinned, "_qsdp_pinned", True)  # a function attribute mypy cannot declare
         xla_bridge._jax.make_gloo_tcp_collectives = pinned
     except Exception as e:  # noqa: BLE001
-        print(f"warning: could not pin gloo to 127.0.0.1 ({e!r}); using jax's default",
-              file=sys.stderr)
+        print(f"warning: could not pin gloo to 127.0.0.1 ({e!r}); using jax's default", file=sys.stderr)
 
 
 def _worker_main(argv: Sequence[str]) -> int:
@@ -452,7 +489,9 @@ def _worker_main(argv: Sequence[str]) -> int:
     # for runs with one network namespace per process (experiments.shelf.netns.veth_namespaces)
     coord = os.environ.get("QSDP_COORDINATOR_HOST", "127.0.0.1")
     gloo_hosts = os.environ.get("QSDP_GLOO_HOSTS", "").split(",")
-    _pin_gloo_to_loopback(gloo_hosts[a.process_id] if len(gloo_hosts) > a.process_id and gloo_hosts[a.process_id] else "127.0.0.1")
+    _pin_gloo_to_loopback(
+        gloo_hosts[a.process_id] if len(gloo_hosts) > a.process_id and gloo_hosts[a.process_id] else "127.0.0.1"
+    )
     jax.distributed.initialize(
         coordinator_address=f"{coord}:{a.port}",
         # default is "[::]:port" = every interface of the machine; keep it local

@@ -28,6 +28,7 @@ creating process is gone (``python -m experiments.shelf.netns cleanup``).
 
 No traffic ever leaves the namespace: it has no other interface than ``lo``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -99,26 +100,21 @@ def raise_on_sigterm() -> Iterator[None]:
 
 def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
     try:
-        proc = subprocess.run(
-            list(cmd), capture_output=True, text=True, timeout=_CMD_TIMEOUT_S
-        )
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
     except FileNotFoundError as e:
         raise NetnsError(f"{cmd[0]!r} not found: {e}") from e
     except subprocess.TimeoutExpired as e:
         raise NetnsError(f"command timed out after {_CMD_TIMEOUT_S}s: {' '.join(cmd)}") from e
     if check and proc.returncode != 0:
         raise NetnsError(
-            f"command failed (rc={proc.returncode}): {' '.join(cmd)}\n"
-            f"{(proc.stderr or proc.stdout).strip()}"
+            f"command failed (rc={proc.returncode}): {' '.join(cmd)}\n{(proc.stderr or proc.stdout).strip()}"
         )
     return proc
 
 
 def _validate(rate_mbit, mtu, burst_kb, latency_ms, name_prefix) -> None:
     if not isinstance(name_prefix, str) or not _PREFIX_RE.match(name_prefix):
-        raise ValueError(
-            f"name_prefix must match {_PREFIX_RE.pattern} (no '-', <= 24 chars), got {name_prefix!r}"
-        )
+        raise ValueError(f"name_prefix must match {_PREFIX_RE.pattern} (no '-', <= 24 chars), got {name_prefix!r}")
     if rate_mbit is not None:
         if isinstance(rate_mbit, bool) or not isinstance(rate_mbit, (int, float)):
             raise TypeError(f"rate_mbit must be a number or None, got {rate_mbit!r}")
@@ -131,9 +127,7 @@ def _validate(rate_mbit, mtu, burst_kb, latency_ms, name_prefix) -> None:
     if isinstance(burst_kb, bool) or not isinstance(burst_kb, (int, float)) or not math.isfinite(burst_kb):
         raise TypeError(f"burst_kb must be a number, got {burst_kb!r}")
     if burst_kb < MIN_BURST_KB:
-        raise ValueError(
-            f"burst_kb must be >= {MIN_BURST_KB} (smaller bursts stall bulk transfers), got {burst_kb!r}"
-        )
+        raise ValueError(f"burst_kb must be >= {MIN_BURST_KB} (smaller bursts stall bulk transfers), got {burst_kb!r}")
     if burst_kb * 1024 < mtu:
         raise ValueError(f"burst ({burst_kb} kb) must be at least one MTU ({mtu} bytes)")
     if (
@@ -200,10 +194,19 @@ def _create(name: str, rate_mbit, mtu, burst_kb, latency_ms) -> None:
             _run(
                 exec_
                 + [
-                    "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-                    "rate", _tc_rate(rate_mbit),
-                    "burst", f"{_tc_num(burst_kb)}kb",
-                    "latency", f"{_tc_num(latency_ms)}ms",
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    "lo",
+                    "root",
+                    "tbf",
+                    "rate",
+                    _tc_rate(rate_mbit),
+                    "burst",
+                    f"{_tc_num(burst_kb)}kb",
+                    "latency",
+                    f"{_tc_num(latency_ms)}ms",
                 ]
             )
     except BaseException:
@@ -266,9 +269,7 @@ def shaped_namespace(
         try:
             _create(name, rate_mbit, mtu, burst_kb, latency_ms)
             created = True
-            yield ShapedNamespace(
-                name=name, rate_mbit=rate_mbit, mtu=mtu, burst_kb=burst_kb, latency_ms=latency_ms
-            )
+            yield ShapedNamespace(name=name, rate_mbit=rate_mbit, mtu=mtu, burst_kb=burst_kb, latency_ms=latency_ms)
         finally:
             if created:
                 _delete(name)
@@ -430,8 +431,7 @@ def veth_namespaces(
             for i, name in enumerate(hosts):
                 h = ["ip", "netns", "exec", name]
                 a, b = f"qv{i}a{tag[-4:]}", f"qv{i}b{tag[-4:]}"
-                _run(["ip", "link", "add", a, "mtu", str(mtu), "type", "veth", "peer", "name", b,
-                      "mtu", str(mtu)])
+                _run(["ip", "link", "add", a, "mtu", str(mtu), "type", "veth", "peer", "name", b, "mtu", str(mtu)])
                 _run(["ip", "link", "set", a, "netns", name])
                 _run(["ip", "link", "set", b, "netns", bridge])
                 _run(h + ["ip", "addr", "add", f"{HOST_ADDR.format(i + 1)}/24", "dev", a])
@@ -439,11 +439,28 @@ def veth_namespaces(
                 _run(br + ["ip", "link", "set", b, "master", "br0"])
                 _run(br + ["ip", "link", "set", b, "up"])
                 if rate_mbit is not None:
-                    _run(h + ["tc", "qdisc", "add", "dev", a, "root", "tbf",
-                              "rate", _tc_rate(float(rate_mbit)), "burst", f"{_tc_num(burst_kb)}kb",
-                              "latency", f"{_tc_num(latency_ms)}ms"])
-            yield [ShapedNamespace(name=n, rate_mbit=rate_mbit, mtu=mtu, burst_kb=burst_kb,
-                                   latency_ms=latency_ms) for n in hosts]
+                    _run(
+                        h
+                        + [
+                            "tc",
+                            "qdisc",
+                            "add",
+                            "dev",
+                            a,
+                            "root",
+                            "tbf",
+                            "rate",
+                            _tc_rate(float(rate_mbit)),
+                            "burst",
+                            f"{_tc_num(burst_kb)}kb",
+                            "latency",
+                            f"{_tc_num(latency_ms)}ms",
+                        ]
+                    )
+            yield [
+                ShapedNamespace(name=n, rate_mbit=rate_mbit, mtu=mtu, burst_kb=burst_kb, latency_ms=latency_ms)
+                for n in hosts
+            ]
         finally:
             for name in reversed(made):
                 _delete(name)

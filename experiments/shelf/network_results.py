@@ -49,9 +49,7 @@ def parse_bandwidth(text: str) -> int | float | None:
     try:
         v = float(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"bandwidth must be a number of Mbit/s or 'none', got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"bandwidth must be a number of Mbit/s or 'none', got {text!r}") from None
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"bandwidth must be > 0 Mbit/s, got {text!r}")
     return int(v) if v.is_integer() else v
@@ -129,35 +127,42 @@ def assemble_results(
         if model_info is None:
             model_info = {
                 k: p0.get(k)
-                for k in ("model", "n_params", "batch_per_process", "global_batch",
-                          "device_count", "local_device_count", "process_count")
+                for k in (
+                    "model",
+                    "n_params",
+                    "batch_per_process",
+                    "global_batch",
+                    "device_count",
+                    "local_device_count",
+                    "process_count",
+                )
             }
         configs: dict[str, dict] = {}
         for name in p0["configs"]:
             c = combine_processes(procs, name)
             c["shaper_bytes_per_step"] = c["bytes_per_step"] * n_proc
-            c["ideal_comm_s"] = (
-                None if bw is None else c["shaper_bytes_per_step"] * 8 / (bw * 1e6)
-            )
+            c["ideal_comm_s"] = None if bw is None else c["shaper_bytes_per_step"] * 8 / (bw * 1e6)
             configs[name] = c
         base32 = configs.get("fp32", {}).get("median_s")
         base16 = configs.get("bf16", {}).get("median_s")
         for name, c in configs.items():
             c["speedup_vs_fp32"] = _ratio(base32, c["median_s"])
             c["speedup_vs_bf16"] = _ratio(base16, c["median_s"])
-            runs.append({
-                "config": name,
-                "bandwidth_mbit": bw,
-                "step_time_s": c["median_s"],
-                "bytes_per_step": c["bytes_per_step"],
-                "n_processes": n_proc,
-                "min_s": c["min_s"],
-                "iqr_s": c["iqr_s"],
-                "n_samples": c["n"],
-                "speedup_vs_fp32": c["speedup_vs_fp32"],
-                "speedup_vs_bf16": c["speedup_vs_bf16"],
-                "devices_per_process": p0.get("local_device_count"),
-            })
+            runs.append(
+                {
+                    "config": name,
+                    "bandwidth_mbit": bw,
+                    "step_time_s": c["median_s"],
+                    "bytes_per_step": c["bytes_per_step"],
+                    "n_processes": n_proc,
+                    "min_s": c["min_s"],
+                    "iqr_s": c["iqr_s"],
+                    "n_samples": c["n"],
+                    "speedup_vs_fp32": c["speedup_vs_fp32"],
+                    "speedup_vs_bf16": c["speedup_vs_bf16"],
+                    "devices_per_process": p0.get("local_device_count"),
+                }
+            )
         entry.update(n_processes=n_proc, configs=configs)
         bandwidths.append(entry)
 
@@ -201,18 +206,24 @@ def evaluate_targets(bandwidths: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Speedup targets over fp32 at the lowest shaped bandwidth that was measured."""
     shaped = [b for b in bandwidths if b["bandwidth_mbit"] is not None and "configs" in b]
     if not shaped:
-        return {"bandwidth_mbit": None, "evaluated": False,
-                "reason": "no shaped bandwidth was measured", "checks": {}}
+        return {"bandwidth_mbit": None, "evaluated": False, "reason": "no shaped bandwidth was measured", "checks": {}}
     low = min(shaped, key=lambda b: b["bandwidth_mbit"])
     checks = {}
     for name, need in TARGETS.items():
         c = low["configs"].get(name)
         got = None if c is None else c.get("speedup_vs_fp32")
-        checks[name] = {"required_speedup_vs_fp32": need, "speedup_vs_fp32": got,
-                        "met": None if got is None else bool(got >= need)}
+        checks[name] = {
+            "required_speedup_vs_fp32": need,
+            "speedup_vs_fp32": got,
+            "met": None if got is None else bool(got >= need),
+        }
     met = [v["met"] for v in checks.values()]
-    return {"bandwidth_mbit": low["bandwidth_mbit"], "evaluated": True,
-            "all_met": all(m is True for m in met), "checks": checks}
+    return {
+        "bandwidth_mbit": low["bandwidth_mbit"],
+        "evaluated": True,
+        "all_met": all(m is True for m in met),
+        "checks": checks,
+    }
 
 
 def bw_label(bw) -> str:
@@ -223,8 +234,10 @@ def bw_label(bw) -> str:
 
 def format_table(doc: Mapping[str, Any]) -> str:
     """Bandwidth x config: step time, speedup vs fp32, vs bf16, MB/step (per process)."""
-    header = (f"{'bandwidth':<12} {'config':<10} {'step [s]':>9} {'IQR [s]':>8} {'n':>3} "
-              f"{'vs fp32':>8} {'vs bf16':>8} {'MB/step':>8} {'ideal comm [s]':>14}")
+    header = (
+        f"{'bandwidth':<12} {'config':<10} {'step [s]':>9} {'IQR [s]':>8} {'n':>3} "
+        f"{'vs fp32':>8} {'vs bf16':>8} {'MB/step':>8} {'ideal comm [s]':>14}"
+    )
     lines = [header, "-" * len(header)]
     fmt_x = lambda v: f"{v:7.2f}x" if v is not None else f"{'-':>8}"  # noqa: E731
     for b in doc["bandwidths"]:
@@ -237,8 +250,7 @@ def format_table(doc: Mapping[str, Any]) -> str:
             lines.append(
                 f"{label:<12} {name:<10} {c['median_s']:9.3f} {c['iqr_s']:8.3f} {c['n']:>3} "
                 f"{fmt_x(c['speedup_vs_fp32'])} {fmt_x(c['speedup_vs_bf16'])} "
-                f"{c['bytes_per_step'] / 1e6:8.2f} "
-                + (f"{ideal:14.3f}" if ideal is not None else f"{'-':>14}")
+                f"{c['bytes_per_step'] / 1e6:8.2f} " + (f"{ideal:14.3f}" if ideal is not None else f"{'-':>14}")
             )
             label = ""
     t = doc.get("targets", {})
@@ -253,8 +265,11 @@ def format_table(doc: Mapping[str, Any]) -> str:
     serial = []
     for b in doc["bandwidths"]:
         cs = b.get("configs", {})
-        parts = [f"{n} {c['serial_est_speedup_vs_fp32']:.2f}x" for n, c in cs.items()
-                 if n != "fp32" and c.get("serial_est_speedup_vs_fp32") is not None]
+        parts = [
+            f"{n} {c['serial_est_speedup_vs_fp32']:.2f}x"
+            for n, c in cs.items()
+            if n != "fp32" and c.get("serial_est_speedup_vs_fp32") is not None
+        ]
         if parts:
             serial.append(f"  {bw_label(b['bandwidth_mbit'])}: " + ", ".join(parts))
     if serial:

@@ -18,6 +18,7 @@ process, same code everywhere), or in-process on simulated devices (tests).  Eve
 Only ``jax`` is imported lazily: this module must not touch devices at import time (the
 worker calls ``jax.distributed.initialize`` first).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,9 +47,7 @@ __all__ = [
 CONFIG_NAMES: tuple[str, ...] = ("fp32", "bf16", "qsdp-W8G8", "qsdp-W4G4")
 
 #: The benchmark model (explicit GPT dims; ~3.2M parameters, see bench.network's docstring).
-DEFAULT_MODEL: dict[str, int] = dict(
-    d_model=256, n_layers=4, n_heads=4, seq_len=64, vocab_size=256
-)
+DEFAULT_MODEL: dict[str, int] = dict(d_model=256, n_layers=4, n_heads=4, seq_len=64, vocab_size=256)
 #: A model small enough for tests.
 TINY_MODEL: dict[str, int] = dict(d_model=64, n_layers=2, n_heads=2, seq_len=16, vocab_size=256)
 

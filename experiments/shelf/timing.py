@@ -11,6 +11,7 @@ read, so asynchronous JAX dispatch is measured to completion.
     res = time_alternating({"f32": lambda: f(x), "u8": lambda: g(q)}, repeats=20)
     print(format_results(res), median_ratio(res, "f32", "u8"))
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -207,10 +208,7 @@ def time_alternating(
         for name in order(r):
             samples[name].append(one_call(name))
 
-    return {
-        n: TimingResult(name=n, samples=tuple(samples[n]), warmup_s=tuple(warm[n]))
-        for n in names
-    }
+    return {n: TimingResult(name=n, samples=tuple(samples[n]), warmup_s=tuple(warm[n])) for n in names}
 
 
 def median_ratio(results: Mapping[str, TimingResult], num: str, den: str) -> float:
@@ -230,7 +228,6 @@ def format_results(results: Mapping[str, TimingResult], unit: str = "ms") -> str
         first = r.first_call_s
         first_s = f"{first * scale:10.3f}" if first is not None else f"{'-':>10}"
         lines.append(
-            f"{n:<{w}}  {r.median * scale:10.3f}  {r.iqr * scale:10.3f}  "
-            f"{r.min * scale:10.3f}  {first_s}  {r.n}"
+            f"{n:<{w}}  {r.median * scale:10.3f}  {r.iqr * scale:10.3f}  {r.min * scale:10.3f}  {first_s}  {r.n}"
         )
     return "\n".join(lines)

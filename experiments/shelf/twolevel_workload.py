@@ -14,6 +14,7 @@ contributes only the rows of its own devices (``jax.make_array_from_callback``).
 
 Only ``jax`` is imported lazily: the worker calls ``jax.distributed.initialize`` first.
 """
+
 from __future__ import annotations
 
 import time
@@ -187,25 +188,27 @@ def twolevel_benchmark(
         state = q.init_train_state(params, opt, mesh, cfg, stacked=gpt.stacked_groups)
         t1 = time.perf_counter()
         compiled = cast("Wrapped", q.make_train_step(gpt.loss, opt, mesh, cfg)).lower(state, batch).compile()
-        built[name] = dict(state=state, compiled=compiled, batch=batch,
-                           compile_s=time.perf_counter() - t1)
+        built[name] = dict(state=state, compiled=compiled, batch=batch, compile_s=time.perf_counter() - t1)
     build_s = time.perf_counter() - t0
 
     def runner(b):
         def run():
             b["state"], b["metrics"] = b["compiled"](b["state"], b["batch"])
             return b["metrics"]
+
         return run
 
-    timings = time_alternating({n: runner(b) for n, b in built.items()}, repeats=repeats,
-                               warmup=warmup, sync=jax.block_until_ready)
+    timings = time_alternating(
+        {n: runner(b) for n, b in built.items()}, repeats=repeats, warmup=warmup, sync=jax.block_until_ready
+    )
     n_local = jax.local_device_count()
     out = {}
     for name, b in built.items():
         report = comm.comm_report(b["compiled"])
         r = timings[name].to_dict()
         r.update(
-            config=name, spec=dict(configs[name]),
+            config=name,
+            spec=dict(configs[name]),
             bytes_per_device=float(report.total_bytes),
             bytes_per_process=float(report.total_bytes) * n_local,
             bytes_by_kind_dtype={f"{k}/{d}": v for (k, d), v in report.by_kind_dtype().items()},
@@ -215,9 +218,17 @@ def twolevel_benchmark(
         )
         out[name] = r
     return {
-        "process_index": jax.process_index(), "process_count": jax.process_count(),
-        "device_count": jax.device_count(), "local_device_count": n_local,
-        "mesh": dict(mesh.shape), "model": model, "n_params": gpt.count_params(),
-        "batch_per_process": batch_per_process, "global_batch": global_batch,
-        "repeats": repeats, "warmup": warmup, "build_s": build_s, "configs": out,
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "device_count": jax.device_count(),
+        "local_device_count": n_local,
+        "mesh": dict(mesh.shape),
+        "model": model,
+        "n_params": gpt.count_params(),
+        "batch_per_process": batch_per_process,
+        "global_batch": global_batch,
+        "repeats": repeats,
+        "warmup": warmup,
+        "build_s": build_s,
+        "configs": out,
     }

@@ -37,9 +37,7 @@ from typing import TYPE_CHECKING, Any, Sequence, cast
 if TYPE_CHECKING:  # the steps qsdp_jax returns are typed Callable; they forward the jit's ``lower``
     from jax.stages import Wrapped
 
-DEFAULT_SCHEMES = (
-    "fp32", "bf16", "qsdp-W8G8", "qsdp-W6G6", "qsdp-W4G4", "qsdp-W4G8", "qsdp-W2G4"
-)
+DEFAULT_SCHEMES = ("fp32", "bf16", "qsdp-W8G8", "qsdp-W6G6", "qsdp-W4G4", "qsdp-W4G8", "qsdp-W2G4")
 KINDS = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "collective-permute")
 #: Kinds that carry the gathers and the (quantized or bf16: all-to-all) reduce-scatters.
 GATHER_SCATTER_KINDS = ("all-gather", "all-to-all", "reduce-scatter")
@@ -170,9 +168,7 @@ def measure(
         by_kind = {k: report.by_kind().get(k, 0.0) for k in KINDS}
         hlo_gs = sum(by_kind[k] for k in GATHER_SCATTER_KINDS)
         f = formula_bytes(state.layout, cfg, n, gathers, scatters)
-        out["n_sharded_elements"] = sum(
-            g.flat_size * (g.n_layers if g.stacked else 1) for g in state.layout.groups
-        )
+        out["n_sharded_elements"] = sum(g.flat_size * (g.n_layers if g.stacked else 1) for g in state.layout.groups)
         out["schemes"][name] = {
             "config": cfg.name,
             "weight_bits": cfg.weight_bits,
@@ -189,8 +185,7 @@ def measure(
             "compile_s": dt,
         }
         if verbose:
-            print(f"  {preset:<8} {name:<10} {report.total_bytes / 1e6:10.3f} MB  ({dt:.1f} s)",
-                  flush=True)
+            print(f"  {preset:<8} {name:<10} {report.total_bytes / 1e6:10.3f} MB  ({dt:.1f} s)", flush=True)
     for key, ref in (("ratio_vs_fp32", "fp32"), ("ratio_vs_bf16", "bf16")):
         base = out["schemes"].get(ref)
         for rec in out["schemes"].values():

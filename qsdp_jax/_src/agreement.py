@@ -29,8 +29,7 @@ from typing import Any
 
 from jax._src import distributed as jax_distributed  # its key-value store client
 
-__all__ = ["AgreementTimeout", "SettingsMismatch", "agree_on_error", "check_agreement",
-           "from_process_0"]
+__all__ = ["AgreementTimeout", "SettingsMismatch", "agree_on_error", "check_agreement", "from_process_0"]
 
 _PREFIX = "qsdp_jax/agreement"
 _SHOWN = 5  # differences named in the message
@@ -102,10 +101,15 @@ def _exchange(what: str, payload: str, decide, timeout_s: float) -> Any:
             try:
                 got[j] = client.blocking_key_value_get(f"{key}/in/{j}", left_ms)
             except Exception as e:  # noqa: BLE001 - a deadline (or a gone peer) is the answer
-                verdict = json.dumps({"timeout": (
-                    f"process {j} of {n} did not reach the {what} check within {timeout_s:g} s "
-                    f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); every process must "
-                    "run the same program")})
+                verdict = json.dumps(
+                    {
+                        "timeout": (
+                            f"process {j} of {n} did not reach the {what} check within {timeout_s:g} s "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); every process must "
+                            "run the same program"
+                        )
+                    }
+                )
                 break
         if verdict is None:
             verdict = json.dumps({"answer": decide(got)})
@@ -156,14 +160,17 @@ def check_agreement(settings: Mapping, *, what: str = "settings", timeout_s: flo
     differences = [tuple(d) for d in answer["differences"]]
     if not differences:
         return
-    shown = "; ".join(f"process {j} has {k}={_short(v)}, process 0 has {k}={_short(v0)}"
-                      for k, j, v, v0 in differences[:_SHOWN])
+    shown = "; ".join(
+        f"process {j} has {k}={_short(v)}, process 0 has {k}={_short(v0)}" for k, j, v, v0 in differences[:_SHOWN]
+    )
     more = len(differences) - _SHOWN
     keys = sorted({d[0] for d in differences})
     raise SettingsMismatch(
         f"the processes of this run were started with different {what}: {shown}"
         + (f" (and {more} more)" if more > 0 else "")
-        + f". Start every process with the same {', '.join(keys)}.", differences)
+        + f". Start every process with the same {', '.join(keys)}.",
+        differences,
+    )
 
 
 def agree_on_error(error: str | None, *, what: str = "setup", timeout_s: float = 60.0) -> str | None:

@@ -128,7 +128,8 @@ def check_format(meta: dict, where: str) -> None:
         old = FORMAT_NAMES.get(meta.get("format"), f"format {meta.get('format')!r}")
         raise CheckpointMismatch(
             f"{where} was written in {old}; this version of qsdp_jax reads format {FORMAT} "
-            "(per-parameter leaves): restore it with the version that wrote it, or start afresh")
+            "(per-parameter leaves): restore it with the version that wrote it, or start afresh"
+        )
 
 
 def moved_grids(saved: dict, wanted: dict) -> list[str]:

@@ -70,7 +70,8 @@ def verify(arrays: dict[str, np.ndarray], expected: dict[str, int] | None, where
     if bad:
         raise CheckpointDamaged(
             f"{where} is damaged: {len(bad)} array(s) do not match the checksum recorded when it "
-            f"was saved (first: {bad[0]}); its files were changed or corrupted after the save")
+            f"was saved (first: {bad[0]}); its files were changed or corrupted after the save"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,8 +97,10 @@ class WriterLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise OSError(e.errno, f"cannot write checkpoints to {self.path.parent}: {e.strerror}"
-                          " (is it read-only or on a full disk?)") from e
+            raise OSError(
+                e.errno,
+                f"cannot write checkpoints to {self.path.parent}: {e.strerror} (is it read-only or on a full disk?)",
+            ) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -106,7 +109,8 @@ class WriterLock:
             raise CheckpointLocked(
                 f"{self.path.parent} is being written by another Checkpointer ({holder}): one "
                 "writer per checkpoint directory; stop that run or give this one another "
-                "directory") from None
+                "directory"
+            ) from None
         os.ftruncate(fd, 0)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
         os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {stamp} UTC\n".encode(), 0)
@@ -147,6 +151,9 @@ def _finish_pending() -> None:
         try:
             ckpt.close()
         except BaseException as e:  # noqa: BLE001 - any failure here must end the process loudly
-            print(f"qsdp_jax: a checkpoint save to {ckpt.directory} did not complete at exit: "
-                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            print(
+                f"qsdp_jax: a checkpoint save to {ckpt.directory} did not complete at exit: {type(e).__name__}: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)

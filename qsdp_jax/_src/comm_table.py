@@ -37,18 +37,13 @@ def format_table(report, per_op: bool = False) -> str:
             a[0] += 1
             a[1] += c.count
             a[2] += c.bytes_on_wire
-        rows = [
-            (k, d, str(n), str(calls), _fmt_num(b), _human(b))
-            for (k, d), (n, calls, b) in sorted(agg.items())
-        ]
+        rows = [(k, d, str(n), str(calls), _fmt_num(b), _human(b)) for (k, d), (n, calls, b) in sorted(agg.items())]
         last = ("total", "", "", "", _fmt_num(total), _human(total))
         left = 2
     widths = [max(len(r[i]) for r in (header, *rows, last)) for i in range(len(header))]
 
     def line(r: tuple[str, ...]) -> str:
-        cells = (
-            x.ljust(w) if i < left else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths))
-        )
+        cells = (x.ljust(w) if i < left else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths)))
         return "  ".join(cells).rstrip()
 
     sep = "-" * len(line(header))

@@ -80,8 +80,9 @@ def geometries(params: Any, config) -> list[LeafGrid]:
     b = config.bucket_size
     params_leaves = jax.tree_util.tree_leaves(params)
     if ctx is None:
-        bits = (policy.tree_weight_bits(params, config) if config.bit_policy
-                else [config.weight_bits] * len(params_leaves))
+        bits = (
+            policy.tree_weight_bits(params, config) if config.bit_policy else [config.weight_bits] * len(params_leaves)
+        )
         out = []
         for x, w in zip(params_leaves, bits):
             gridded = jnp.issubdtype(x.dtype, jnp.floating) and x.size >= max(config.min_shard_size, 1)
@@ -95,8 +96,16 @@ def geometries(params: Any, config) -> list[LeafGrid]:
         if w is None:
             out.append(LeafGrid(None, 1, 0, 0))
             continue
-        out.append(LeafGrid(w, max(g.n_layers, 1) if g.stacked else 1, x.local_size, x.buckets,
-                            leaf_spec(g, x, ctx.axes), layout.num_shards))
+        out.append(
+            LeafGrid(
+                w,
+                max(g.n_layers, 1) if g.stacked else 1,
+                x.local_size,
+                x.buckets,
+                leaf_spec(g, x, ctx.axes),
+                layout.num_shards,
+            )
+        )
     return out
 
 
@@ -138,8 +147,9 @@ def _project_block(x, geo: LeafGrid, config, key, shard, rounding=None):
         return qk.project(r, bits, bucket, rounding, k, bucket_ids=i, target=target)
 
     # float32 grids only: QSDPConfig refuses bf16 stats with on-grid weights
-    values, scales, offsets = qk.select(config.kernels, reference, kernel, _rows(x, geo, bucket), key,
-                                        _bucket_ids(geo, shard), bucket=bucket)
+    values, scales, offsets = qk.select(
+        config.kernels, reference, kernel, _rows(x, geo, bucket), key, _bucket_ids(geo, shard), bucket=bucket
+    )
     return values[:, : geo.size].reshape(x.shape).astype(x.dtype), scales, offsets
 
 
@@ -150,7 +160,10 @@ def _snap_block(x, scales, offsets, geo: LeafGrid, config):
         config.kernels,
         lambda r, s, o: qz.quantize_on_grid(r, s, o, bits, bucket).dequantize(),
         lambda r, s, o, target: qk.snap(r, s, o, bits, bucket, target=target),
-        _rows(x, geo, bucket), scales, offsets, bucket=bucket,
+        _rows(x, geo, bucket),
+        scales,
+        offsets,
+        bucket=bucket,
     )
     return values[:, : geo.size].reshape(x.shape).astype(x.dtype)
 
@@ -170,8 +183,7 @@ def _per_device(fn, geos: list[LeafGrid], n_out_grids: int, *args):
     def local(*blocks):
         return fn(lax.axis_index(ctx.axes), *blocks)
 
-    return jax.shard_map(local, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)(*args)
+    return jax.shard_map(local, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,9 +203,10 @@ def project(leaves: Sequence[jax.Array], geos: Sequence[LeafGrid], config, count
     sub = [geos[i] for i in idx]
 
     def fn(shard, blocks):
-        out = [_project_block(x, g, config, qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i), shard,
-                              rounding)
-               for x, g, i in zip(blocks, sub, idx)]
+        out = [
+            _project_block(x, g, config, qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i), shard, rounding)
+            for x, g, i in zip(blocks, sub, idx)
+        ]
         return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
 
     values, scales, offsets = _per_device(fn, sub, 2, [leaves[i] for i in idx])
@@ -215,8 +228,7 @@ def snap(leaves: Sequence[jax.Array], geos: Sequence[LeafGrid], scales, offsets,
         return ([_snap_block(x, a, b, g, config) for x, a, b, g in zip(blocks, s, o, sub)],)
 
     out = list(leaves)
-    (snapped,) = _per_device(fn, sub, 0, [leaves[i] for i in idx], [scales[i] for i in idx],
-                             [offsets[i] for i in idx])
+    (snapped,) = _per_device(fn, sub, 0, [leaves[i] for i in idx], [scales[i] for i in idx], [offsets[i] for i in idx])
     for j, i in enumerate(idx):
         out[i] = snapped[j]
     return out

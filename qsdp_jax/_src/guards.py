@@ -39,9 +39,7 @@ def _state_label(path) -> str:
 def check_stacked(stacked) -> None:
     """``stacked`` given as a string (a common slip for a one-group tuple) is a clear error."""
     if isinstance(stacked, str):
-        raise TypeError(
-            f"stacked must be a sequence of group names, e.g. ({stacked!r},), got the string {stacked!r}"
-        )
+        raise TypeError(f"stacked must be a sequence of group names, e.g. ({stacked!r},), got the string {stacked!r}")
 
 
 def check_params(params, stacked, *, label: Callable = _param_label, int_hint: str = DICT_INT_HINT) -> None:
@@ -59,9 +57,7 @@ def check_params(params, stacked, *, label: Callable = _param_label, int_hint: s
         name = label(path)
         dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
         if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                f"{name} has dtype {dtype}: parameters must be floating point ({int_hint})"
-            )
+            raise TypeError(f"{name} has dtype {dtype}: parameters must be floating point ({int_hint})")
         if isinstance(x, (jax.ShapeDtypeStruct, jax.core.Tracer)):
             continue
         if isinstance(x, jax.Array) and not x.is_fully_addressable:

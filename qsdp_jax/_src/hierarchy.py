@@ -72,8 +72,13 @@ def _gather_level(x, *, bits, mode, axis_name, bucket, fp_dtype, grid=None, kern
     if bits is None:
         return all_gather_fp(x, axis_name=axis_name, dtype=fp_dtype)
     return quantized_all_gather(
-        x, bits=bits, bucket=bucket, axis_name=axis_name,
-        grid=grid if mode == "qsdp" else None, rounding="nearest", kernels=kernels,
+        x,
+        bits=bits,
+        bucket=bucket,
+        axis_name=axis_name,
+        grid=grid if mode == "qsdp" else None,
+        rounding="nearest",
+        kernels=kernels,
     )
 
 
@@ -82,7 +87,12 @@ def _reduce_scatter_level(full, *, bits, axis_name, bucket, key, rounding, fp_dt
     if bits is None:
         return reduce_scatter_fp(full, axis_name=axis_name, dtype=fp_dtype)
     return quantized_reduce_scatter(
-        full, bits=bits, bucket=bucket, axis_name=axis_name, key=key, rounding=rounding,
+        full,
+        bits=bits,
+        bucket=bucket,
+        axis_name=axis_name,
+        key=key,
+        rounding=rounding,
         kernels=kernels,
     )
 
@@ -109,8 +119,9 @@ def two_level_all_gather(
     if weight_mode == "qsdp" and grid is None:
         raise ValueError("weight_mode='qsdp' gathers need the grid the shard lies on")
     if outer_bits is not None and outer_bits == inner_bits:  # one quantization, payload forwarded
-        payload = quantize_payload(shard, bits=outer_bits, bucket=bucket, kernels=kernels,
-                                   grid=grid if weight_mode == "qsdp" else None)
+        payload = quantize_payload(
+            shard, bits=outer_bits, bucket=bucket, kernels=kernels, grid=grid if weight_mode == "qsdp" else None
+        )
         across = lax.all_gather(payload, outer_axis, axis=0, tiled=False)  # (N, P)
         both = lax.all_gather(across, inner_axis, axis=0, tiled=False)  # (L, N, P)
         nodes_first = jnp.swapaxes(both, 0, 1).reshape(-1, both.shape[-1])  # (N * L, P)
@@ -140,9 +151,7 @@ def two_level_reduce_scatter(
     n, l = lax.axis_size(outer_axis), lax.axis_size(inner_axis)
     size = full.shape[-1]
     if size % (n * l * bucket):
-        raise ValueError(
-            f"buffer of {size} elements does not split into {n} x {l} chunks of whole buckets of {bucket}"
-        )
+        raise ValueError(f"buffer of {size} elements does not split into {n} x {l} chunks of whole buckets of {bucket}")
     c = size // (n * l)
     by_local = jnp.swapaxes(full.reshape(n, l, c), 0, 1).reshape(-1)  # chunk (m, l) at l * N + m
     inner_key = outer_key = None
@@ -187,12 +196,18 @@ def cross_group_all_reduce(
         return all_gather_fp(part, axis_name=replica_axis, dtype=fp_dtype)[:c]
     group = lax.axis_index(group_axis)
     part = quantized_reduce_scatter(
-        x, bits=bits, bucket=bucket, axis_name=replica_axis,
-        key=qz.derive_key(key, STAGE_OUTER, group), rounding=rounding, kernels=kernels,
+        x,
+        bits=bits,
+        bucket=bucket,
+        axis_name=replica_axis,
+        key=qz.derive_key(key, STAGE_OUTER, group),
+        rounding=rounding,
+        kernels=kernels,
     )
     gather_key = qz.derive_key(key, STAGE_OUTER_GATHER, group, lax.axis_index(replica_axis))
-    summed = quantized_all_gather(part, bits=bits, bucket=bucket, axis_name=replica_axis,
-                                  rounding=rounding, key=gather_key, kernels=kernels)
+    summed = quantized_all_gather(
+        part, bits=bits, bucket=bucket, axis_name=replica_axis, rounding=rounding, key=gather_key, kernels=kernels
+    )
     return summed[:c]
 
 
@@ -242,33 +257,57 @@ class TwoLevelSpec:
 
     def _inner_1d(self) -> GatherSpec:
         return GatherSpec(
-            axis_name=self.inner_axis, bucket=self.bucket, weight_mode=self.weight_mode,
-            weight_bits=self.inner_weight_bits, grad_bits=self.inner_grad_bits,
-            grad_rounding=self.grad_rounding, fp_dtype=self.fp_dtype, kernels=self.kernels,
+            axis_name=self.inner_axis,
+            bucket=self.bucket,
+            weight_mode=self.weight_mode,
+            weight_bits=self.inner_weight_bits,
+            grad_bits=self.inner_grad_bits,
+            grad_rounding=self.grad_rounding,
+            fp_dtype=self.fp_dtype,
+            kernels=self.kernels,
         )
 
     def gather(self, shard, grid):
         if self.hybrid:
             return self._inner_1d().gather(shard, grid)
         return two_level_all_gather(
-            shard, outer_axis=self.outer_axis, inner_axis=self.inner_axis, bucket=self.bucket,
-            weight_mode=self.weight_mode, outer_bits=self.outer_weight_bits,
-            inner_bits=self.inner_weight_bits, fp_dtype=self.fp_dtype, grid=grid,
+            shard,
+            outer_axis=self.outer_axis,
+            inner_axis=self.inner_axis,
+            bucket=self.bucket,
+            weight_mode=self.weight_mode,
+            outer_bits=self.outer_weight_bits,
+            inner_bits=self.inner_weight_bits,
+            fp_dtype=self.fp_dtype,
+            grid=grid,
             kernels=self.kernels,
         )
 
     def reduce_scatter(self, full, key):
         if not self.hybrid:
             return two_level_reduce_scatter(
-                full, outer_axis=self.outer_axis, inner_axis=self.inner_axis, bucket=self.bucket,
-                outer_bits=self.outer_grad_bits, inner_bits=self.inner_grad_bits, key=key,
-                rounding=self.grad_rounding, fp_dtype=self.fp_dtype, kernels=self.kernels,
+                full,
+                outer_axis=self.outer_axis,
+                inner_axis=self.inner_axis,
+                bucket=self.bucket,
+                outer_bits=self.outer_grad_bits,
+                inner_bits=self.inner_grad_bits,
+                key=key,
+                rounding=self.grad_rounding,
+                fp_dtype=self.fp_dtype,
+                kernels=self.kernels,
             )
         inner_key = qz.derive_key(key, STAGE_INNER, lax.axis_index(self.outer_axis))
         shard = self._inner_1d().reduce_scatter(full, inner_key)
         return cross_group_all_reduce(
-            shard, replica_axis=self.outer_axis, group_axis=self.inner_axis, bucket=self.bucket,
-            bits=self.outer_grad_bits, key=key, rounding=self.grad_rounding, fp_dtype=self.fp_dtype,
+            shard,
+            replica_axis=self.outer_axis,
+            group_axis=self.inner_axis,
+            bucket=self.bucket,
+            bits=self.outer_grad_bits,
+            key=key,
+            rounding=self.grad_rounding,
+            fp_dtype=self.fp_dtype,
             kernels=self.kernels,
         )
 

@@ -58,12 +58,37 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective
 #: Bits per element of each HLO element type.
 DTYPE_BITS: dict[str, int] = {
     "pred": 8,
-    "s1": 1, "u1": 1, "s2": 2, "u2": 2, "s4": 4, "u4": 4,
-    "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32, "s64": 64, "u64": 64,
-    "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
-    "f8e5m2": 8, "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3b11fnuz": 8, "f8e5m2fnuz": 8,
-    "f8e4m3fnuz": 8, "f8e3m4": 8, "f8e8m0fnu": 8,
-    "f4e2m1fn": 4, "f6e2m3fn": 6, "f6e3m2fn": 6,
+    "s1": 1,
+    "u1": 1,
+    "s2": 2,
+    "u2": 2,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "s32": 32,
+    "u32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f16": 16,
+    "bf16": 16,
+    "f32": 32,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "f8e5m2": 8,
+    "f8e4m3": 8,
+    "f8e4m3fn": 8,
+    "f8e4m3b11fnuz": 8,
+    "f8e5m2fnuz": 8,
+    "f8e4m3fnuz": 8,
+    "f8e3m4": 8,
+    "f8e8m0fnu": 8,
+    "f4e2m1fn": 4,
+    "f6e2m3fn": 6,
+    "f6e3m2fn": 6,
     "token": 0,
 }
 
@@ -129,7 +154,7 @@ def _parse_shape(s: str, i: int = 0) -> tuple[_Array | _Tuple, int]:
             elements.append(e)
     m = _ARRAY_RE.match(s, i)
     if not m:
-        raise ValueError(f"no shape at {s[i:i + 40]!r}")
+        raise ValueError(f"no shape at {s[i : i + 40]!r}")
     dims = []
     for d in m.group(2).split(","):
         d = d.strip().lstrip("<=").strip()
@@ -160,7 +185,7 @@ def _match_close(s: str, i: int) -> int:
             depth -= 1
             if depth == 0:
                 return j
-    raise ValueError(f"unbalanced brackets in {s[i:i + 80]!r}")
+    raise ValueError(f"unbalanced brackets in {s[i : i + 80]!r}")
 
 
 def _split_top(s: str) -> list[str]:
@@ -188,8 +213,9 @@ def _mesh_replica_groups(text: str) -> tuple[tuple[int, ...], ...]:
     m = re.fullmatch(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
     if not m:
         raise ValueError(f"cannot parse mesh replica groups {text!r}")
-    axes = [(a.strip().strip("'\""), int(n)) for a, n in
-            (item.split("=") for item in m.group(1).split(",") if item.strip())]
+    axes = [
+        (a.strip().strip("'\""), int(n)) for a, n in (item.split("=") for item in m.group(1).split(",") if item.strip())
+    ]
     listed = [a.strip().strip("'\"") for a in m.group(2).split(",") if a.strip()]
     names = [a for a, _ in axes]
     if any(a not in names for a in listed):
@@ -229,10 +255,7 @@ def parse_replica_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], 
         return tuple(tuple(int(x) for x in row) for row in ids)
     if not (text.startswith("{") and text.endswith("}")):
         raise ValueError(f"cannot parse replica groups {text!r}")
-    groups = tuple(
-        tuple(int(x) for x in g.split(",") if x.strip())
-        for g in re.findall(r"\{([^{}]*)\}", text[1:-1])
-    )
+    groups = tuple(tuple(int(x) for x in g.split(",") if x.strip()) for g in re.findall(r"\{([^{}]*)\}", text[1:-1]))
     groups = tuple(g for g in groups if g)
     if not groups:
         return (tuple(range(num_devices)),)
@@ -314,9 +337,7 @@ def parse_module(text: str) -> HloModule:
                 nr = re.search(r"\breplica_count=(\d+)", clean)
                 npart = re.search(r"\bnum_partitions=(\d+)", clean)
                 if nr or npart:
-                    header_devices = (int(nr.group(1)) if nr else 1) * (
-                        int(npart.group(1)) if npart else 1
-                    )
+                    header_devices = (int(nr.group(1)) if nr else 1) * (int(npart.group(1)) if npart else 1)
                 continue
             m = _COMP_RE.match(clean)
             if m:

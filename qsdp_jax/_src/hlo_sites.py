@@ -22,10 +22,7 @@ from qsdp_jax._src.hlo_reader import (
 __all__ = ["CollectiveSite", "collective_sites"]
 
 
-
-_TRIP_RE = re.compile(
-    r'known_trip_count\\?"?\s*:\s*\{\s*\\?"?n\\?"?\s*:\s*\\?"?(\d+)'
-)
+_TRIP_RE = re.compile(r'known_trip_count\\?"?\s*:\s*\{\s*\\?"?n\\?"?\s*:\s*\\?"?(\d+)')
 _CALL_KEYS = ("calls", "to_apply", "true_computation", "false_computation")
 _LIST_KEYS = ("branch_computations", "called_computations")
 
@@ -89,10 +86,7 @@ def _call_graph(module: HloModule) -> tuple[dict, list[str]]:
     edges: dict[str, list[tuple[str, int | None, str, _Instr]]] = {}  # a DAG in valid HLO
     for cname, instrs in comps.items():
         edges[cname] = [
-            (callee, f, kind, ins)
-            for ins in instrs
-            for callee, f, kind in _callees(ins)
-            if callee in comps
+            (callee, f, kind, ins) for ins in instrs for callee, f, kind in _callees(ins) if callee in comps
         ]
     order: list[str] = []  # post-order from the entry
     seen = {module.entry}
@@ -110,14 +104,14 @@ def _call_graph(module: HloModule) -> tuple[dict, list[str]]:
     return edges, order
 
 
-def _multipliers(module: HloModule, edges: dict, order: list[str], strict: bool,
-                 warnings: list[str]) -> tuple[dict, dict]:
+def _multipliers(
+    module: HloModule, edges: dict, order: list[str], strict: bool, warnings: list[str]
+) -> tuple[dict, dict]:
     """How often each computation runs per step, and whether every trip count was known."""
     comps = module.computations
     has_coll: dict[str, bool] = {}
     for c in order:  # callees before callers
-        has_coll[c] = (any(_kind_of(i.opcode) for i in comps[c])
-                       or any(has_coll[d] for d, *_ in edges[c]))
+        has_coll[c] = any(_kind_of(i.opcode) for i in comps[c]) or any(has_coll[d] for d, *_ in edges[c])
     mult: dict[str, int] = defaultdict(int)
     known: dict[str, bool] = defaultdict(lambda: True)
     mult[module.entry] = 1

@@ -102,7 +102,7 @@ class StepContext:
             g = self.mdef.group_of(spec.path)
             assert g is not None  # describe() made a group of every parameter's path prefix
             var = ShardedParam.from_metadata(jax.ShapeDtypeStruct(spec.shape, spec.dtype), dict(spec.metadata))
-            object.__setattr__(var, "_qsdp_read", functools.partial(self.read, g, spec.path[len(g.path):]))
+            object.__setattr__(var, "_qsdp_read", functools.partial(self.read, g, spec.path[len(g.path) :]))
             params.append((spec.path, var))
         device = lax.axis_index(self.axis)
         others = []
@@ -111,9 +111,7 @@ class StepContext:
             if issubclass(spec.type, nnx.RngKey):
                 value = fold_keys(jax.random.wrap_key_data(value, impl=spec.key_impl), step, device)
             others.append((spec.path, spec.make(value)))
-        module = nnx.merge(
-            self.mdef.graphdef, nnx.from_flat_state(params), nnx.from_flat_state(others)
-        )
+        module = nnx.merge(self.mdef.graphdef, nnx.from_flat_state(params), nnx.from_flat_state(others))
         sync_batch_norm(module, self.axis)
         for g in self.mdef.groups:
             if g.stacked:
@@ -174,8 +172,16 @@ def fold_keys(keys: jax.Array, step, device) -> jax.Array:
 _MISSING = object()
 
 
-def scan(f: Callable | Any = _MISSING, *, length=None, reverse=False, unroll=1,
-         in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), **kwargs):
+def scan(
+    f: Callable | Any = _MISSING,
+    *,
+    length=None,
+    reverse=False,
+    unroll=1,
+    in_axes=(nnx.Carry, 0),
+    out_axes=(nnx.Carry, 0),
+    **kwargs,
+):
     """``nnx.scan`` with per-layer gathers inside the QSDP step; the same call forms.
 
     Use it as a decorator (``@qsdp_jax.nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)``)
@@ -208,17 +214,16 @@ def scan(f: Callable | Any = _MISSING, *, length=None, reverse=False, unroll=1,
             does not support.
     """
     if f is _MISSING:
-        return lambda g: scan(g, length=length, reverse=reverse, unroll=unroll, in_axes=in_axes,
-                              out_axes=out_axes, **kwargs)
-    plain = nnx.scan(f, length=length, reverse=reverse, unroll=unroll, in_axes=in_axes,
-                     out_axes=out_axes, **kwargs)
+        return lambda g: scan(
+            g, length=length, reverse=reverse, unroll=unroll, in_axes=in_axes, out_axes=out_axes, **kwargs
+        )
+    plain = nnx.scan(f, length=length, reverse=reverse, unroll=unroll, in_axes=in_axes, out_axes=out_axes, **kwargs)
 
     @functools.wraps(f)
     def wrapper(*args):
         axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
         ctx = current()
-        registered = [i for i, a in enumerate(axes) if a == 0 and ctx is not None
-                      and id(args[i]) in ctx.stacks]
+        registered = [i for i, a in enumerate(axes) if a == 0 and ctx is not None and id(args[i]) in ctx.stacks]
         _check_stacks(args, axes, skip=registered)
         if not registered:
             return plain(*args)  # outside the step, or no stack of the model: nnx.scan
@@ -301,8 +306,10 @@ def _values(module) -> dict:
 def _split_out(out, out_axes):
     if out_axes is nnx.Carry:
         return out, ()
-    if not isinstance(out_axes, tuple) or [a is nnx.Carry for a in out_axes].count(True) != 1 or any(
-        a is not nnx.Carry and a != 0 for a in out_axes
+    if (
+        not isinstance(out_axes, tuple)
+        or [a is nnx.Carry for a in out_axes].count(True) != 1
+        or any(a is not nnx.Carry and a != 0 for a in out_axes)
     ):
         raise NotImplementedError(
             f"inside the QSDP step, qsdp_jax.nnx.scan takes out_axes nnx.Carry or a tuple of one "

@@ -96,8 +96,14 @@ def _spec(path: Path, var: nnx.Variable) -> VarSpec:
     impl = None
     if isinstance(var, nnx.RngKey):
         impl = jax.random.key_impl(value)
-    return VarSpec(tuple(path), type(var), dict(var.get_metadata()), tuple(jnp.shape(value)),
-                   jnp.result_type(value) if impl is None else None, impl)
+    return VarSpec(
+        tuple(path),
+        type(var),
+        dict(var.get_metadata()),
+        tuple(jnp.shape(value)),
+        jnp.result_type(value) if impl is None else None,
+        impl,
+    )
 
 
 def describe(model: nnx.Module, stacked: Sequence[str] | None = None) -> ModelDef:
@@ -176,7 +182,9 @@ def _declared_shapes(m) -> dict[str, tuple]:
     return {}
 
 
-def _layer_count(params: list[VarSpec], others: list[VarSpec], evidence: AbstractSet[int | None] = frozenset()) -> int | None:
+def _layer_count(
+    params: list[VarSpec], others: list[VarSpec], evidence: AbstractSet[int | None] = frozenset()
+) -> int | None:
     """The layer count if these variables look like a layer stack (see module docstring)."""
     if None in evidence or len(evidence) > 1:
         return None
@@ -250,7 +258,7 @@ def set_params(model: nnx.Module, mdef: ModelDef, groups: dict[str, PyTree]) -> 
         g = mdef.group_of(tuple(path))
         assert g is not None  # describe() made a group of every parameter's path prefix
         node = groups[g.name]
-        for k in tuple(path)[len(g.path):]:
+        for k in tuple(path)[len(g.path) :]:
             node = node[k]
         var.set_value(jnp.asarray(node, var.get_raw_value().dtype))
     nnx.update(model, state)

@@ -47,8 +47,9 @@ def pack(buffer: Buffer, blocks: Sequence[jax.Array], bucket: int, lead: int = 0
     return jnp.concatenate(parts, axis=-1)
 
 
-def unpack(buffer: Buffer, full: jax.Array, num_shards: int, dims: Sequence[int],
-           shapes: Sequence[tuple[int, ...]]) -> dict[int, jax.Array]:
+def unpack(
+    buffer: Buffer, full: jax.Array, num_shards: int, dims: Sequence[int], shapes: Sequence[tuple[int, ...]]
+) -> dict[int, jax.Array]:
     """The full leaves of ``buffer`` from its gathered buffer.
 
     Args:

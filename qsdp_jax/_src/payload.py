@@ -17,6 +17,7 @@ from jax import lax
 
 from qsdp_jax._src import quantizers as qz
 
+
 def payload_size(n: int, bits: int, bucket: int, stats_dtype: str = "float32") -> int:
     """Bytes of the payload of ``n`` elements: packed codes plus a scale and an offset per
     bucket (``stats_dtype``: float32, 8 bytes per bucket, or bfloat16, 4)."""
@@ -80,8 +81,9 @@ def payload_kernels(qt: qz.QTensor, stats_dtype: str = "float32") -> jax.Array:
     return cpu_boundary(build, qz.to_buckets(qt.codes, qt.bucket), qt.scales, qt.offsets)
 
 
-def payload_from_packed(packed: jax.Array, scales: jax.Array, offsets: jax.Array,
-                        stats_dtype: str = "float32") -> jax.Array:
+def payload_from_packed(
+    packed: jax.Array, scales: jax.Array, offsets: jax.Array, stats_dtype: str = "float32"
+) -> jax.Array:
     """``[packed codes | scales bytes | offsets bytes]``: the payload of already packed codes.
 
     ``stats_dtype="bfloat16"``: the stats are sent as bf16 (2 bytes each); they must already
@@ -94,15 +96,17 @@ def payload_from_packed(packed: jax.Array, scales: jax.Array, offsets: jax.Array
     return jnp.concatenate([packed, stat_bytes_], axis=-1)
 
 
-def split_payload(payload: jax.Array, n: int, bits: int, bucket: int,
-                  stats_dtype: str = "float32") -> tuple[jax.Array, jax.Array, jax.Array]:
+def split_payload(
+    payload: jax.Array, n: int, bits: int, bucket: int, stats_dtype: str = "float32"
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Inverse of :func:`payload_from_packed`: ``(packed codes, scales, offsets)``, stats float32."""
     p = qz.packed_size(n, bits)
     nb = n // bucket
     lead = payload.shape[:-1]
     if payload.shape[-1] != payload_size(n, bits, bucket, stats_dtype):
-        raise ValueError(f"payload of {payload.shape[-1]} bytes does not hold {n} codes of {bits} bits "
-                         f"with {stats_dtype} stats")
+        raise ValueError(
+            f"payload of {payload.shape[-1]} bytes does not hold {n} codes of {bits} bits with {stats_dtype} stats"
+        )
     if stat_bytes(stats_dtype) == 4:
         half = lax.bitcast_convert_type(payload[..., p:].reshape(*lead, 2 * nb, 2), jnp.uint16)
         stats = lax.bitcast_convert_type(half, jnp.bfloat16).astype(jnp.float32)
@@ -118,8 +122,9 @@ def from_payload(payload: jax.Array, n: int, bits: int, bucket: int, stats_dtype
     return qz.QTensor(codes=codes, scales=scales, offsets=offsets, bits=bits, bucket=bucket)
 
 
-def dequantize_rows(payloads: jax.Array, n: int, bits: int, bucket: int, summed: bool = False,
-                    stats_dtype: str = "float32") -> jax.Array:
+def dequantize_rows(
+    payloads: jax.Array, n: int, bits: int, bucket: int, summed: bool = False, stats_dtype: str = "float32"
+) -> jax.Array:
     """The jnp receive: payloads ``(..., payload)`` of ``n`` elements each -> float32
     ``(..., n)``, or with ``summed`` the :func:`sum_rows` of the leading axis, ``(n,)``.
 

@@ -44,8 +44,7 @@ from jax._src import distributed as jax_distributed
 
 from qsdp_jax._src import agreement
 
-__all__ = ["EXIT_NOT_CONNECTED", "EXIT_PEER_LOST", "PeerMonitor", "check_port_free",
-           "connect_guard"]
+__all__ = ["EXIT_NOT_CONNECTED", "EXIT_PEER_LOST", "PeerMonitor", "check_port_free", "connect_guard"]
 
 EXIT_NOT_CONNECTED = 69  # EX_UNAVAILABLE: the processes never all met
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: as qsdp_jax.watchdog: restart the run and resume
@@ -91,32 +90,47 @@ def check_port_free(address: str) -> None:
             raise ValueError(
                 f"the coordinator's port {port} ({address}) is already in use on this host: "
                 "another process was started with process id 0 (do two processes share an "
-                "id?), or another program listens there; choose another port") from None
+                "id?), or another program listens there; choose another port"
+            ) from None
 
 
 def _not_connected(address: str, process_id: int, n: int, timeout_s: float) -> str:
     others = "process 1" if n == 2 else f"processes 1..{n - 1}"
     if process_id == 0:
-        return (f"process 0 of {n} (the coordinator, at {address}) waited {timeout_s:g} s but not "
-                f"all {n} processes connected to it: check that {others} started, with this "
-                f"coordinator address and port and {n} processes, and that no two share a "
-                "process id.")
+        return (
+            f"process 0 of {n} (the coordinator, at {address}) waited {timeout_s:g} s but not "
+            f"all {n} processes connected to it: check that {others} started, with this "
+            f"coordinator address and port and {n} processes, and that no two share a "
+            "process id."
+        )
     if not _accepts(address):
-        return (f"process {process_id} of {n} did not connect to the coordinator {address} within "
-                f"{timeout_s:g} s: nothing accepts connections there. Check that process 0 runs "
-                "(it may have stopped with an error) and that this is the host and port it uses.")
-    return (f"process {process_id} of {n} did not connect to the coordinator {address} within "
-            f"{timeout_s:g} s: the coordinator runs there but not all {n} processes joined it. "
-            f"Check that every process 0..{n - 1} started with {n} processes, and that no two "
-            "share a process id.")
+        return (
+            f"process {process_id} of {n} did not connect to the coordinator {address} within "
+            f"{timeout_s:g} s: nothing accepts connections there. Check that process 0 runs "
+            "(it may have stopped with an error) and that this is the host and port it uses."
+        )
+    return (
+        f"process {process_id} of {n} did not connect to the coordinator {address} within "
+        f"{timeout_s:g} s: the coordinator runs there but not all {n} processes joined it. "
+        f"Check that every process 0..{n - 1} started with {n} processes, and that no two "
+        "share a process id."
+    )
 
 
 class connect_guard:  # noqa: N801 - used as a function: ``with connect_guard(...):``
     """While the ``with`` block runs (``jax.distributed.initialize``): if it has not finished
     after ``timeout_s``, print why and exit with ``exit_code``."""
 
-    def __init__(self, address: str, process_id: int, num_processes: int, timeout_s: float, *,
-                 exit_code: int = EXIT_NOT_CONNECTED, _exit: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        address: str,
+        process_id: int,
+        num_processes: int,
+        timeout_s: float,
+        *,
+        exit_code: int = EXIT_NOT_CONNECTED,
+        _exit: Callable[[int], None] | None = None,
+    ):
         self.args = (address, process_id, num_processes, timeout_s)
         self.exit_code = exit_code
         self._exit = _exit or _exit_now
@@ -149,8 +163,14 @@ class PeerMonitor:
         the connection; without one, a warning, and no monitoring.
     """
 
-    def __init__(self, timeout_s: float = 10.0, *, exit_code: int = EXIT_PEER_LOST,
-                 connect_timeout_s: float = 60.0, _exit: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        timeout_s: float = 10.0,
+        *,
+        exit_code: int = EXIT_PEER_LOST,
+        connect_timeout_s: float = 60.0,
+        _exit: Callable[[int], None] | None = None,
+    ):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} is invalid: must be > 0")
         self.timeout_s = float(timeout_s)
@@ -188,17 +208,19 @@ class PeerMonitor:
             else:
                 self._connect(client, key)
         except Exception as e:  # noqa: BLE001 - monitoring is best effort; say so
-            _say(f"process {self.me} of {self.n}: cannot watch the other processes "
-                 f"({type(e).__name__}: {e}); a lost process ends this one only through JAX's "
-                 "heartbeat timeout")
+            _say(
+                f"process {self.me} of {self.n}: cannot watch the other processes "
+                f"({type(e).__name__}: {e}); a lost process ends this one only through JAX's "
+                "heartbeat timeout"
+            )
             self._release()
             return self
         self._thread = threading.Thread(target=self._run, name="qsdp-peer-monitor", daemon=True)
         self._thread.start()
         atexit.register(self._at_exit)
         logging.getLogger("qsdp_jax").info(
-            "peer monitor: process %d of %d watches the others (timeout %g s)", self.me, self.n,
-            self.timeout_s)
+            "peer monitor: process %d of %d watches the others (timeout %g s)", self.me, self.n, self.timeout_s
+        )
         return self
 
     def _listen(self, client, key: str) -> None:
@@ -253,9 +275,11 @@ class PeerMonitor:
                 self._lost(self._pending[1], relay=self._pending[2])
             for info in list(self._conns.values()):
                 if info["id"] is not None and not info["done"] and now - info["seen"] > self.timeout_s:
-                    self._lost(f"{self._name(info['id'])} sent no heartbeat for {self.timeout_s:g} s: "
-                               "it froze (stopped, or stuck holding the Python lock), or its host "
-                               "or the network went down")
+                    self._lost(
+                        f"{self._name(info['id'])} sent no heartbeat for {self.timeout_s:g} s: "
+                        "it froze (stopped, or stuck holding the Python lock), or its host "
+                        "or the network went down"
+                    )
 
     def _read(self, sock: socket.socket) -> None:
         info = self._conns.get(sock)
@@ -270,8 +294,7 @@ class PeerMonitor:
         if not data:
             self._drop(sock)
             if info["id"] is not None and not info["done"] and self._pending is None:
-                self._lost(f"{self._name(info['id'])} died or was killed: its connection closed "
-                           "before it finished")
+                self._lost(f"{self._name(info['id'])} died or was killed: its connection closed before it finished")
             return
         info["seen"] = time.monotonic()
         info["buf"] += data
@@ -288,14 +311,13 @@ class PeerMonitor:
         elif word in ("EXIT", "GONE"):
             # a process that stops with an error: lost, unless this one stops too within the
             # grace (the same error everywhere: each exits with its own status and message)
-            what = rest if word == "GONE" else (
-                f"{self._name(info['id'])} stopped before the run finished ({rest})")
+            what = rest if word == "GONE" else (f"{self._name(info['id'])} stopped before the run finished ({rest})")
             info["done"] = True
             if self._pending is None:
                 self._pending = (time.monotonic() + _GRACE_S, what, word == "EXIT")
 
     def _name(self, peer: int) -> str:
-        return (f"process {peer} of {self.n}" + (" (the coordinator)" if peer == 0 else ""))
+        return f"process {peer} of {self.n}" + (" (the coordinator)" if peer == 0 else "")
 
     def _lost(self, what: str, relay: bool = True) -> None:
         if not self._reported.acquire(blocking=False):
@@ -303,8 +325,10 @@ class PeerMonitor:
         self._stop.set()
         if self.me == 0 and relay:  # tell the others before going
             self._send_all(f"GONE {what}\n".encode(), blocking=True)
-        _say(f"process {self.me} of {self.n} stops: {what}. Exiting with status "
-             f"{self.exit_code}; restart the run to resume from its last complete checkpoint.")
+        _say(
+            f"process {self.me} of {self.n} stops: {what}. Exiting with status "
+            f"{self.exit_code}; restart the run to resume from its last complete checkpoint."
+        )
         self._exit(self.exit_code)
 
     def _send_all(self, data: bytes, blocking: bool = False) -> None:

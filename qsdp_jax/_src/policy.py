@@ -86,9 +86,13 @@ def check_rules_match(policy: Sequence[tuple], sharded: Sequence[str], replicate
         if any(fnmatch.fnmatchcase(p, rule[0]) for p in sharded):
             continue
         small = [p for p in replicated if fnmatch.fnmatchcase(p, rule[0])]
-        why = (f"it matches only replicated leaves {small[:5]}, which stay full precision and are "
-               "never quantized (fewer than min_shard_size elements, or not float), so it "
-               "counts as matching nothing" if small else "it matches no leaf")
+        why = (
+            f"it matches only replicated leaves {small[:5]}, which stay full precision and are "
+            "never quantized (fewer than min_shard_size elements, or not float), so it "
+            "counts as matching nothing"
+            if small
+            else "it matches no leaf"
+        )
         listed = ", ".join(sharded[:40]) + (f", ... ({len(sharded)} in all)" if len(sharded) > 40 else "")
         raise ValueError(
             f"QSDPConfig.bit_policy[{i}]={tuple(rule)!r} matches no sharded leaf: {why}. Patterns "

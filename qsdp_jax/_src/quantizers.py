@@ -68,9 +68,7 @@ def to_buckets(x: jax.Array, bucket: int) -> jax.Array:
     """(..., n) -> (..., n // bucket, bucket); n must be a multiple of bucket."""
     n = x.shape[-1]
     if n % bucket:
-        raise ValueError(
-            f"last axis of length {n} is not a multiple of bucket={bucket}; pad it with pad_last"
-        )
+        raise ValueError(f"last axis of length {n} is not a multiple of bucket={bucket}; pad it with pad_last")
     return x.reshape(*x.shape[:-1], n // bucket, bucket)
 
 
@@ -271,16 +269,17 @@ def quantize(
     return QTensor(codes=codes, scales=scales, offsets=offsets, bits=bits, bucket=bucket)
 
 
-def quantize_on_grid(
-    x: jax.Array, scales: jax.Array, offsets: jax.Array, bits: int, bucket: int
-) -> QTensor:
+def quantize_on_grid(x: jax.Array, scales: jax.Array, offsets: jax.Array, bits: int, bucket: int) -> QTensor:
     """Codes of ``x`` on a given grid (round to nearest, clipped). For ``x`` already on the grid
     this recovers its codes exactly, so ``dequantize`` reproduces ``x`` bit for bit."""
     xb = to_buckets(x.astype(jnp.float32), bucket)
     q = jnp.clip(jnp.round((xb - offsets[..., None]) * _inverse(scales)[..., None]), 0, levels(bits))
     return QTensor(
-        codes=q.astype(jnp.uint8).reshape(x.shape), scales=scales, offsets=offsets,
-        bits=bits, bucket=bucket,
+        codes=q.astype(jnp.uint8).reshape(x.shape),
+        scales=scales,
+        offsets=offsets,
+        bits=bits,
+        bucket=bucket,
     )
 
 
@@ -334,9 +333,7 @@ def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
     """Inverse of :func:`pack_bits`: uint8 (..., packed_size(n, bits)) -> uint8 codes (..., n)."""
     _check_bits(bits)
     if packed.shape[-1] != packed_size(n, bits):
-        raise ValueError(
-            f"packed length {packed.shape[-1]} does not match {n} codes of {bits} bits"
-        )
+        raise ValueError(f"packed length {packed.shape[-1]} does not match {n} codes of {bits} bits")
     if bits == 8:
         return packed
     lead = packed.shape[:-1]

@@ -24,18 +24,15 @@ def grid_leaf_keys(state, paths: Sequence[str]) -> set[str]:
     """The ``keystr`` of the scales and offsets leaves of the leaves at ``paths`` (policy
     paths, e.g. ``"head/w"``) in ``state``'s QSDPState."""
     wanted = set(paths)
-    hits = jax.tree_util.tree_flatten_with_path(
-        state, is_leaf=lambda x: isinstance(x, qoptim.QSDPState))[0]
+    hits = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, qoptim.QSDPState))[0]
     out = set()
     for path, node in hits:
         if not isinstance(node, qoptim.QSDPState):
             continue
         prefix = jax.tree_util.keystr(path)
-        for (g, x), (sub, _) in zip(state.layout.leaves(),
-                                    jax.tree_util.tree_flatten_with_path(node.scales)[0]):
+        for (g, x), (sub, _) in zip(state.layout.leaves(), jax.tree_util.tree_flatten_with_path(node.scales)[0]):
             if x.path in wanted:
-                out |= {f"{prefix}.scales{jax.tree_util.keystr(sub)}",
-                        f"{prefix}.offsets{jax.tree_util.keystr(sub)}"}
+                out |= {f"{prefix}.scales{jax.tree_util.keystr(sub)}", f"{prefix}.offsets{jax.tree_util.keystr(sub)}"}
     return out
 
 
@@ -48,20 +45,28 @@ def regrid(state, paths: Sequence[str], config: QSDPConfig, mesh: Mesh):
         with qgrid.layout_context(layout, mesh, config.shard_axes):
             treedef: Any  # a PyTreeDef: jaxlib ships no stubs for it, so a checker sees no methods
             leaves, treedef = jax.tree_util.tree_flatten(params)
-            geos = [g if x.path in wanted else dataclasses.replace(g, bits=None)
-                    for g, (_, x) in zip(qgrid.geometries(params, config), layout.leaves())]
+            geos = [
+                g if x.path in wanted else dataclasses.replace(g, bits=None)
+                for g, (_, x) in zip(qgrid.geometries(params, config), layout.leaves())
+            ]
             st = qoptim.find_qsdp_state(opt_state)
             assert st is not None  # grids (hence moved ones) exist only with a QSDPState
             values, scales, offsets = qgrid.project(leaves, geos, config, st.count, rounding="nearest")
-        pick = lambda new, old: [o if n is None or g.bits is None else n  # noqa: E731
-                                 for n, o, g in zip(new, old, geos)]
+        pick = lambda new, old: [
+            o if n is None or g.bits is None else n  # noqa: E731
+            for n, o, g in zip(new, old, geos)
+        ]
         params = jax.tree_util.tree_unflatten(treedef, pick(values, leaves))
         st = dataclasses.replace(
             st,
             scales=jax.tree_util.tree_unflatten(treedef, pick(scales, treedef.flatten_up_to(st.scales))),
-            offsets=jax.tree_util.tree_unflatten(treedef, pick(offsets, treedef.flatten_up_to(st.offsets))))
-        opt_state = jax.tree.map(lambda x: st if isinstance(x, qoptim.QSDPState) else x, opt_state,
-                                 is_leaf=lambda x: isinstance(x, qoptim.QSDPState))
+            offsets=jax.tree_util.tree_unflatten(treedef, pick(offsets, treedef.flatten_up_to(st.offsets))),
+        )
+        opt_state = jax.tree.map(
+            lambda x: st if isinstance(x, qoptim.QSDPState) else x,
+            opt_state,
+            is_leaf=lambda x: isinstance(x, qoptim.QSDPState),
+        )
         return params, opt_state
 
     shardings = jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state))

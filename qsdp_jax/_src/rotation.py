@@ -79,8 +79,11 @@ def fwht(x: jax.Array, block: int) -> jax.Array:
     t = x.astype(jnp.float32).reshape(*lead, -1, *factors)
     k = len(factors)
     for a, f in enumerate(factors):  # contract axis a of the block with H_f (symmetric)
-        t = jnp.moveaxis(jnp.tensordot(t, jnp.asarray(hadamard_matrix(f)), axes=([t.ndim - k + a], [0]),
-                                       precision=hi), -1, t.ndim - k + a)
+        t = jnp.moveaxis(
+            jnp.tensordot(t, jnp.asarray(hadamard_matrix(f)), axes=([t.ndim - k + a], [0]), precision=hi),
+            -1,
+            t.ndim - k + a,
+        )
     return t.reshape(x.shape)
 
 
@@ -106,8 +109,9 @@ def chunk_signs(key: jax.Array, chunks: jax.Array, n: int) -> jax.Array:
     rot_key = qz.derive_key(key, PURPOSE_ROTATION)
     keys = jax.vmap(lambda c: qz.derive_key(rot_key, c))(jnp.asarray(chunks, jnp.uint32))
     words = -(-n // 32)  # one 32-bit hash gives the signs of 32 consecutive positions
-    h = qz.mix32(qz.mix32(jnp.arange(words, dtype=jnp.uint32)[None, :] + keys[:, None] * jnp.uint32(qz.GOLDEN))
-                 ^ keys[:, None])
+    h = qz.mix32(
+        qz.mix32(jnp.arange(words, dtype=jnp.uint32)[None, :] + keys[:, None] * jnp.uint32(qz.GOLDEN)) ^ keys[:, None]
+    )
     bits = (h[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
     signs = jnp.float32(1.0) - jnp.float32(2.0) * bits.astype(jnp.float32)
     return signs.reshape(len(keys), words * 32)[:, :n]

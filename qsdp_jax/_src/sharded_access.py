@@ -69,8 +69,10 @@ class ShardedParams:
         if grids is None:
             return None
         scales, offsets = grids
-        return (jnp.concatenate([scales[s.index] for s in buffer.slots], axis=-1),
-                jnp.concatenate([offsets[s.index] for s in buffer.slots], axis=-1))
+        return (
+            jnp.concatenate([scales[s.index] for s in buffer.slots], axis=-1),
+            jnp.concatenate([offsets[s.index] for s in buffer.slots], axis=-1),
+        )
 
     def _full_leaves(self, g: GroupLayout, blocks: list, grids, layer) -> PyTree:
         """The group's full leaves (one layer's, inside ``scan``) from this device's blocks."""

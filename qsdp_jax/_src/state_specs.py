@@ -65,5 +65,8 @@ def opt_state_specs(opt_state: PyTree, params: PyTree, layout: ParamLayout, axes
 
 def opt_state_shardings(opt_state, params, layout: ParamLayout, mesh: Mesh, axes) -> PyTree:
     """:func:`opt_state_specs` as ``NamedSharding``s on ``mesh``."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), opt_state_specs(opt_state, params, layout, axes),
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        opt_state_specs(opt_state, params, layout, axes),
+        is_leaf=lambda x: isinstance(x, P),
+    )

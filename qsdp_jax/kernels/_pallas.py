@@ -85,9 +85,7 @@ def call(kernel, out_shape, in_specs, out_specs, *, rows: int, rb: int, target: 
 
     def run(*args):
         mat = jax.typeof(args[0]).manual_axis_type
-        shapes = jax.tree.map(
-            lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=mat), out_shape
-        )
+        shapes = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=mat), out_shape)
         return pl.pallas_call(
             kernel,
             out_shape=shapes,
@@ -110,7 +108,10 @@ def _asm(op: str, a, b):
 
     a, b = jnp.broadcast_arrays(a, b)
     (out,) = pltriton.elementwise_inline_asm(
-        f"{op} $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+        f"{op} $0, $1, $2;",
+        args=[a, b],
+        constraints="=r,r,r",
+        pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
     )
     return out

@@ -35,7 +35,7 @@ def pairwise_sum(parts: list):
     while len(parts) > 1:
         half = len(parts) // 2
         summed = [parts[i] + parts[half + i] for i in range(half)]
-        parts = summed + parts[2 * half:]
+        parts = summed + parts[2 * half :]
     return parts[0]
 
 
@@ -88,7 +88,10 @@ def unpack_dequantize(packed, scales, offsets, bits, bucket, n, *, target):
         jax.ShapeDtypeStruct((rows, g, 8), jnp.float32),
         [kp.rows_spec(rb, (g, bits)), kp.rows_spec(rb, (1,)), kp.rows_spec(rb, (1,))],
         kp.rows_spec(rb, (g, 8)),
-        rows=rows, rb=rb, target=target, name=f"qsdp_unpack_dequantize_{bits}b",
+        rows=rows,
+        rb=rb,
+        target=target,
+        name=f"qsdp_unpack_dequantize_{bits}b",
     )(packed.reshape(rows, g, bits), scales.reshape(rows, 1), offsets.reshape(rows, 1))
     return out.reshape(*lead, n)
 
@@ -129,6 +132,9 @@ def unpack_dequantize_sum(packed, scales, offsets, bits, bucket, n, *, target):
         jax.ShapeDtypeStruct((rows, g, 8), jnp.float32),
         [kp.rows_spec(rb, (g, bits), (num,)), kp.rows_spec(rb, (1,), (num,)), kp.rows_spec(rb, (1,), (num,))],
         kp.rows_spec(rb, (g, 8)),
-        rows=rows, rb=rb, target=target, name=f"qsdp_unpack_dequantize_sum_{bits}b",
+        rows=rows,
+        rb=rb,
+        target=target,
+        name=f"qsdp_unpack_dequantize_sum_{bits}b",
     )(packed.reshape(num, rows, g, bits), scales.reshape(num, rows, 1), offsets.reshape(num, rows, 1))
     return out.reshape(n)

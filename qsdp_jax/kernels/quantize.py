@@ -97,8 +97,7 @@ def _run(x, row_aux, scalar_aux, *, bits, bucket, rounding, output, target):
         out_specs += [kp.rows_spec(rb, (1,))] * 2
     kernel = functools.partial(_kernel, bits=bits, rounding=rounding, output=output, target=target)
     name = f"qsdp_{'project' if output == 'values' else 'quantize_pack'}_{rounding}_{bits}b"
-    res = kp.call(kernel, tuple(out_shape), specs, tuple(out_specs), rows=rows, rb=rb,
-                  target=target, name=name)(*args)
+    res = kp.call(kernel, tuple(out_shape), specs, tuple(out_specs), rows=rows, rb=rb, target=target, name=name)(*args)
     main = res[0].reshape(*lead, -1)
     if rounding == "grid":
         return main
@@ -150,8 +149,7 @@ def quantize_pack(x, bits, bucket, rounding, key=None, bucket_ids=None, *, targe
         ``"shift"`` without a key; ``"shift"`` with ``bits < 2``.
     """
     row_aux, scalar_aux = _fresh_grid_aux(x, bits, bucket, rounding, key, bucket_ids)
-    return _run(x, row_aux, scalar_aux, bits=bits, bucket=bucket, rounding=rounding,
-                output="pack", target=target)
+    return _run(x, row_aux, scalar_aux, bits=bits, bucket=bucket, rounding=rounding, output="pack", target=target)
 
 
 def grid_pack(x, scales, offsets, bits, bucket, *, target):
@@ -176,8 +174,7 @@ def grid_pack(x, scales, offsets, bits, bucket, *, target):
       ValueError: ``bits`` not in 1..8; ``bucket`` not a positive multiple of 8; a last axis that
         is not whole buckets; an unknown ``target``.
     """
-    return _run(x, [scales, offsets], [], bits=bits, bucket=bucket, rounding="grid",
-                output="pack", target=target)
+    return _run(x, [scales, offsets], [], bits=bits, bucket=bucket, rounding="grid", output="pack", target=target)
 
 
 def project(x, bits, bucket, rounding, key=None, bucket_ids=None, *, target):
@@ -205,8 +202,7 @@ def project(x, bits, bucket, rounding, key=None, bucket_ids=None, *, target):
         ``"shift"`` without a key; ``"shift"`` with ``bits < 2``.
     """
     row_aux, scalar_aux = _fresh_grid_aux(x, bits, bucket, rounding, key, bucket_ids)
-    return _run(x, row_aux, scalar_aux, bits=bits, bucket=bucket, rounding=rounding,
-                output="values", target=target)
+    return _run(x, row_aux, scalar_aux, bits=bits, bucket=bucket, rounding=rounding, output="values", target=target)
 
 
 def snap(x, scales, offsets, bits, bucket, *, target):
@@ -230,5 +226,4 @@ def snap(x, scales, offsets, bits, bucket, *, target):
       ValueError: ``bits`` not in 1..8; ``bucket`` not a positive multiple of 8; a last axis that
         is not whole buckets; an unknown ``target``.
     """
-    return _run(x, [scales, offsets], [], bits=bits, bucket=bucket, rounding="grid",
-                output="values", target=target)
+    return _run(x, [scales, offsets], [], bits=bits, bucket=bucket, rounding="grid", output="values", target=target)
