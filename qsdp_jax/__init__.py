@@ -13,7 +13,8 @@ from qsdp_jax import checkpoint, collectives, comm, distributed, kernels, nnx, o
 from qsdp_jax.access import LocalParams, ParamAccess
 from qsdp_jax.checkpoint import CheckpointDamaged, CheckpointMismatch, Checkpointer
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.sharding import ParamLayout, make_mesh
+from qsdp_jax.sharding import make_mesh
+from qsdp_jax.layout import ParamLayout
 from qsdp_jax.train import (
     TrainState,
     abstract_train_state,

@@ -9,7 +9,7 @@ Usage::
         state, extra = ckpt.restore(template, config, mesh)   # newest complete, intact checkpoint
 
 **What is stored.** The state's leaves are ordinary global arrays of the model's shapes
-(``qsdp_jax.sharding``), so they are stored as they are: the ``arrays`` item holds
+(``qsdp_jax.layout``), so they are stored as they are: the ``arrays`` item holds
 ``{"params": <the params dict>, "state": {leaf path: array}}`` (every other leaf: the step, the
 optimizer state, the model state). A plain orbax restore of ``arrays`` gives the params pytree as
 unsharded numpy arrays. Zero-size arrays (orbax refuses them) are stored as their shape and dtype

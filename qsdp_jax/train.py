@@ -10,7 +10,7 @@ Usage::
     state, metrics = step(state, batch)
 
 ``state.params`` is the model's own pytree of global arrays, each leaf sharded over the FSDP
-axis by the rule of :mod:`qsdp_jax.sharding`; the optimizer state is sharded like its params
+axis by the rule of :mod:`qsdp_jax.layout`; the optimizer state is sharded like its params
 (:mod:`qsdp_jax._src.state_specs`). ``loss_fn(p: ParamAccess, batch) -> loss`` (or ``(loss, aux)``
 with ``has_aux=True``) reads its parameters through ``p.gather(group)`` / ``p.scan(group, body,
 carry)`` (``qsdp_jax.access``). One step:
@@ -46,7 +46,7 @@ from qsdp_jax._src.grid import layout_context
 from qsdp_jax._src.guards import CheckedStep, check_params, check_stacked, warn_padding
 from qsdp_jax._src.hierarchy import device_mean, mesh_sizes
 from qsdp_jax._src.sharded_access import ShardedParams  # noqa: F401  (re-exported)
-from qsdp_jax.sharding import ParamLayout
+from qsdp_jax.layout import ParamLayout
 from qsdp_jax._src.state_specs import opt_state_shardings, opt_state_specs
 
 PyTree = Any
@@ -60,7 +60,7 @@ class TrainState:
     Attributes:
       step: int32 scalar, replicated; counts every step, skipped (non-finite) ones included.
       params: the model's params dict of groups, global arrays, each leaf sharded per
-        ``layout`` (``qsdp_jax.sharding``): what a plain loop would hold, spread over devices.
+        ``layout`` (``qsdp_jax.layout``): what a plain loop would hold, spread over devices.
       opt_state: the optimizer's state of those params, global arrays sharded like them.
       layout: static; how each leaf is sharded and packed for the collectives.
       model_state: the non-parameter state of a Flax NNX model (``qsdp_jax.nnx``): batch

@@ -16,7 +16,7 @@ from qsdp_jax import comm, optim
 from qsdp_jax import nnx as qnnx
 from qsdp_jax.checkpoint import CheckpointMismatch, Checkpointer
 from qsdp_jax.collectives import payload_size
-from qsdp_jax.sharding import ParamLayout
+from qsdp_jax.layout import ParamLayout
 
 N = 8
 BUCKET = 64

@@ -10,7 +10,9 @@ from jax.sharding import Mesh
 import qsdp_jax as q
 from jax.sharding import PartitionSpec as P
 
-from qsdp_jax.sharding import ParamLayout, check_mesh, shard_dim
+from qsdp_jax.sharding import check_mesh
+
+from qsdp_jax.layout import ParamLayout, shard_dim
 
 
 def _params():

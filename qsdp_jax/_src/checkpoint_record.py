@@ -9,7 +9,7 @@ import json
 from jax.sharding import Mesh
 
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.sharding import ParamLayout
+from qsdp_jax.layout import ParamLayout
 from qsdp_jax.version import __version__
 
 FORMAT = 2

@@ -1,7 +1,7 @@
 """QSDP's weight grid in the optimizer's global view: fresh grids, and snapping onto them.
 
 The optimizer sees global arrays (``qsdp_jax.optim``). A gridded leaf's buckets live inside one
-device's shard (``qsdp_jax.sharding``), so both operations here run *per device* on its block,
+device's shard (``qsdp_jax.layout``), so both operations here run *per device* on its block,
 inside a ``shard_map`` over the leaf's own sharding, with global bucket ids: the grid of a
 bucket depends on its id, never on which device computes it.
 
@@ -10,7 +10,7 @@ bucket depends on its id, never on which device computes it.
 * :func:`snap`: values moved exactly onto a stored grid (what makes the gather lossless).
 
 Where the leaves live is declared by the train step while it traces (:func:`layout_context`:
-the :class:`~qsdp_jax.sharding.ParamLayout`, the mesh and the shard axes). Outside one (a plain
+the :class:`~qsdp_jax.layout.ParamLayout`, the mesh and the shard axes). Outside one (a plain
 single-device loop) every floating leaf with at least ``min_shard_size`` elements is one row,
 padded to whole buckets, and the rest stay full precision.
 """
@@ -30,7 +30,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from qsdp_jax import kernels as qk
 from qsdp_jax._src import policy
 from qsdp_jax._src import quantizers as qz
-from qsdp_jax.sharding import ParamLayout, leaf_spec
+from qsdp_jax.layout import ParamLayout, leaf_spec
 
 PURPOSE_WEIGHT = 1
 

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax.sharding import ParamLayout
+from qsdp_jax.layout import ParamLayout
 
 DICT_INT_HINT = "keep integer or boolean constants out of the params dict, e.g. in the loss's closure"
 

@@ -1,6 +1,6 @@
 """Copy-in / copy-out around one flat collective buffer per group (PyTorch FSDP2's idea).
 
-The parameters are stored leaf by leaf (:mod:`qsdp_jax.sharding`); the collectives move one flat
+The parameters are stored leaf by leaf (:mod:`qsdp_jax.layout`); the collectives move one flat
 buffer per group (per layer), so that a layer costs one all-gather and one reduce-scatter
 whatever its number of leaves, and quantization is batched. Inside ``shard_map``:
 

@@ -1,6 +1,6 @@
 """Moving a restored QSDP state onto the weight grid of another mesh (``restore(regrid=True)``).
 
-A weight grid's buckets live inside one device's shard (``qsdp_jax.sharding``). Where a leaf's
+A weight grid's buckets live inside one device's shard (``qsdp_jax.layout``). Where a leaf's
 shard is whole buckets of its row-major order the buckets are the same on every device count and
 a checkpoint reshards exactly; otherwise the stored grid belongs to the old mesh. Then the
 restored weights are re-projected onto a grid of the new mesh's buckets by round to nearest:

@@ -26,7 +26,7 @@ from qsdp_jax.collectives import make_gather
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.hierarchy import gather_spec
 from qsdp_jax._src.policy import Buffer
-from qsdp_jax.sharding import GroupLayout, ParamLayout
+from qsdp_jax.layout import GroupLayout, ParamLayout
 
 PyTree = Any
 PURPOSE_GRAD = 2

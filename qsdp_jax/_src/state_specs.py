@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from qsdp_jax.sharding import ParamLayout
+from qsdp_jax.layout import ParamLayout
 
 PyTree = Any
 
