@@ -10,6 +10,8 @@ import dataclasses
 import re
 from typing import Literal
 
+from qsdp_jax._src import config_checks as _checks
+from qsdp_jax._src.config_checks import STATS_DTYPES  # noqa: F401  (qsdp_jax.config.STATS_DTYPES)
 from qsdp_jax._src.config_checks import check_bits as _check_bits
 from qsdp_jax._src.config_checks import check_choice as _check_choice
 from qsdp_jax._src.config_checks import check_int as _check_int
@@ -23,7 +25,6 @@ WEIGHT_ROUNDINGS = ("shift", "stochastic")
 GRAD_ROUNDINGS = ("stochastic", "nearest")
 FP_COMM_DTYPES = ("float32", "bfloat16")
 KERNEL_MODES = ("auto", "pallas", "reference", "interpret")
-STATS_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,105 +175,9 @@ class QSDPConfig:
                 "grid needs one spare level to cover the bucket range for every shift, and 2 "
                 "levels leave none (weight_rounding='stochastic' or weight_mode='comm' accept 1)",
             )
-        self._check_levels()
-        self._check_levers()
-        self._check_policy()
-
-    def _check_levers(self):
-        """Validate ``grad_rotation`` and ``stats_dtype``."""
-        r = self.grad_rotation
-        if r is not None:
-            if isinstance(r, bool) or not isinstance(r, int) or r < 2 or r & (r - 1):
-                _fail("grad_rotation", r, "None or a power of 2 >= 2 (a Hadamard block size)")
-            if self.bucket_size % r:
-                _fail("grad_rotation", r, f"a block size dividing bucket_size={self.bucket_size}")
-            if self.grad_bits is None:
-                _fail("grad_rotation", r, "None when grad_bits=None (only quantized gradients are rotated)")
-            if self.outer_axis is not None:
-                _fail(
-                    "grad_rotation",
-                    r,
-                    "None on a two-level mesh (node_axis / replica_axis): "
-                    "the rotated reduce-scatter is implemented for 1-D meshes only",
-                )
-        _check_choice("stats_dtype", self.stats_dtype, STATS_DTYPES)
-        if self.stats_dtype != "float32":
-            if self.weight_mode == "qsdp":
-                _fail(
-                    "stats_dtype",
-                    self.stats_dtype,
-                    "'float32' with weight_mode='qsdp': a bf16 grid reaches past its bucket's range, "
-                    "weights kept on it land there, and the range ratchets outward step after step "
-                    "(measured +55% validation loss at W4G4; experiments/grid_walk.py shows it); "
-                    "use weight_mode='comm' or 'full' for compact statistics",
-                )
-            if self.outer_axis is not None:
-                _fail(
-                    "stats_dtype",
-                    self.stats_dtype,
-                    "'float32' on a two-level mesh (node_axis / "
-                    "replica_axis): compact statistics are implemented for 1-D meshes only",
-                )
-
-    def _check_policy(self):
-        """Validate ``bit_policy`` (lists are accepted and stored as tuples: hashable)."""
-        policy = self.bit_policy
-        if isinstance(policy, (str, bytes)) or not isinstance(policy, (tuple, list)):
-            _fail("bit_policy", policy, "a tuple of rules (pattern, weight_bits, grad_bits)")
-        rules: list[tuple[str, int | None, int | None]] = []
-        for i, rule in enumerate(policy):
-            field = f"bit_policy[{i}]"
-            if isinstance(rule, (str, bytes)) or not isinstance(rule, (tuple, list)) or len(rule) != 3:
-                _fail(field, rule, "a rule (pattern, weight_bits, grad_bits), e.g. ('embed/*', 8, 8)")
-            pattern, wb, gb = rule
-            if not isinstance(pattern, str) or not pattern.strip():
-                _fail(
-                    field,
-                    tuple(rule),
-                    "a rule whose pattern is a non-empty string (fnmatch on the leaf path 'group/key/...')",
-                )
-            for what, v in (("weight_bits", wb), ("grad_bits", gb)):
-                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8):
-                    _fail(field, tuple(rule), f"a rule whose {what} is None or an integer in 1..8")
-            if pattern in [r[0] for r in rules]:
-                _fail(
-                    field,
-                    tuple(rule),
-                    f"a rule with a pattern not used before ({pattern!r} is "
-                    "rule "
-                    f"{[r[0] for r in rules].index(pattern)}; the first match wins, so this "
-                    "rule could never apply)",
-                )
-            self._check_rule_bits(field, (pattern, wb, gb))
-            rules.append((pattern, wb, gb))
-        object.__setattr__(self, "bit_policy", tuple(rules))
-
-    def _check_rule_bits(self, field: str, rule: tuple):
-        """A rule's bits obey the weight mode's rules (see the ``bit_policy`` docstring)."""
-        _, wb, _ = rule
-        mode = self.weight_mode
-        if mode == "full" and wb is not None:
-            _fail(
-                field,
-                rule,
-                "a rule with weight_bits None when weight_mode='full' (quantized "
-                "weights need weight_mode 'qsdp' or 'comm')",
-            )
-        if mode == "qsdp" and wb is None and self.fp_comm_dtype != "float32":
-            _fail(
-                field,
-                rule,
-                "a rule with weight_bits 1..8 when weight_mode='qsdp' and "
-                f"fp_comm_dtype={self.fp_comm_dtype!r}: full-precision leaves (None) are "
-                "gathered in fp_comm_dtype, which is lossless only in 'float32'",
-            )
-        if mode == "qsdp" and self.weight_rounding == "shift" and wb == 1:
-            _fail(
-                field,
-                rule,
-                "a rule with weight_bits 2..8 (or None) with weight_mode='qsdp' and "
-                "weight_rounding='shift': the shifted grid needs a spare level",
-            )
+        _checks.check_levels(self)
+        _checks.check_levers(self)
+        _checks.check_policy(self)
 
     def buffer_config(self, weight_bits: int | None, grad_bits: int | None) -> "QSDPConfig":
         """The config of one buffer of a :attr:`bit_policy`: these bits on every level, no policy.
@@ -301,48 +206,6 @@ class QSDPConfig:
             bit_policy=(),
             grad_rotation=None if grad_bits is None else self.grad_rotation,  # fp gradients: no rotation
         )
-
-    def _check_levels(self):
-        """Validate the two-level fields (mesh axes and per-level bits)."""
-        for field in ("node_axis", "replica_axis"):
-            v = getattr(self, field)
-            if v is not None and (not isinstance(v, str) or not v):
-                _fail(field, v, "None or a non-empty mesh axis name")
-            if v is not None and v == self.axis_name:
-                _fail(field, v, f"an axis other than axis_name={self.axis_name!r}")
-        if self.node_axis is not None and self.replica_axis is not None:
-            _fail(
-                "replica_axis",
-                self.replica_axis,
-                f"None when node_axis={self.node_axis!r} is set (two levels at most: a mesh is "
-                "either hierarchical (node_axis) or hybrid (replica_axis))",
-            )
-        _check_bits("inter_weight_bits", self.inter_weight_bits)
-        _check_bits("inter_grad_bits", self.inter_grad_bits)
-        for field in ("inter_weight_bits", "inter_grad_bits"):
-            v = getattr(self, field)
-            if v is not None and self.outer_axis is None:
-                _fail(
-                    field,
-                    v,
-                    "None on a 1-D mesh: per-level bits need two levels (set node_axis for a "
-                    "hierarchical ('node', 'local') mesh or replica_axis for a hybrid one)",
-                )
-        if self.inter_weight_bits is not None and self.weight_mode == "qsdp":
-            if self.inter_weight_bits != self.weight_bits:
-                _fail(
-                    "inter_weight_bits",
-                    self.inter_weight_bits,
-                    f"None or equal to weight_bits={self.weight_bits} with weight_mode='qsdp': "
-                    "the weights live on one grid and every level forwards its codes, which keeps "
-                    "the gather lossless (per-level weight bits need weight_mode 'comm' or 'full')",
-                )
-        if self.replica_axis is not None and self.inter_weight_bits is not None:
-            _fail(
-                "inter_weight_bits",
-                self.inter_weight_bits,
-                "None with replica_axis: a hybrid mesh gathers weights only inside a group",
-            )
 
     # --- convenience constructors -------------------------------------------------------------
     @classmethod
