@@ -99,3 +99,19 @@ def test_page_code_runs(page, tmp_path):
         with q.Checkpointer(tmp_path / "ckpt") as ckpt:
             assert ckpt.all_steps()
             assert ckpt.load_arrays()  # every checksum verified
+
+
+def test_results_tables_render_from_the_committed_json(tmp_path, monkeypatch):
+    """The docs' results tables come from experiments/results/*.json through the benchmarks' own
+    report code; a results file that is missing fails the build naming it."""
+    sys.path.insert(0, str(REPO / "docs" / "_ext"))
+    import results_tables as rt
+
+    written = rt.render_all(tmp_path)
+    assert {p.stem for p in written} == set(rt.TABLES)
+    for p in written:
+        text = p.read_text()
+        assert "Rendered from `experiments/results/" in text and len(text.splitlines()) > 4, p
+    monkeypatch.setattr(rt, "RESULTS", tmp_path / "nowhere")
+    with pytest.raises(RuntimeError, match=r"cannot read .*nowhere/comm_bytes.json"):
+        rt.render_all(tmp_path / "out")

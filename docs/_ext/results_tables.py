@@ -71,6 +71,12 @@ def _speedup(doc: dict) -> str:
     )
 
 
+def _grid_walk(doc: dict) -> str:
+    from experiments.convergence.grid_walk import table
+
+    return table(doc["result"])
+
+
 # generated page name -> (results file, renderer)
 TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "comm_bytes": ("comm_bytes.json", _comm),
@@ -80,6 +86,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "network": ("network.json", _network),
     "network_twolevel": ("network_twolevel.json", _twolevel),
     "speedup_model": ("speedup_model.json", _speedup),
+    "grid_walk": ("grid_walk.json", _grid_walk),
 }
 
 

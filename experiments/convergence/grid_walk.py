@@ -106,6 +106,16 @@ def walk(
     return out
 
 
+def table(result: dict) -> str:
+    """The markdown table of a walk: one row per mode/stats, one column per recorded step
+    (range ratio / RMS distance). Takes ``main``'s result or the JSON record's (string steps)."""
+    steps = sorted(next(iter(result.values())), key=int)
+    lines = ["| mode/stats | " + " | ".join(f"step {t}" for t in steps) + " |", "|---|" + "---|" * len(steps)]
+    for name, r in result.items():
+        lines.append(f"| {name} | " + " | ".join(f"{r[t][0]:.2f} / {r[t][1]:.2f}" for t in steps) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bits", type=int, default=4)
@@ -118,11 +128,7 @@ def main(argv=None) -> int:
         p.error(f"--steps {a.steps} must be >= 1 and --lr {a.lr} > 0")
     result = {f"{m}/{s}": walk(m, s, a.bits, a.bucket, a.steps, a.lr) for m, s in MODES}
     print(f"W{a.bits}, buckets of {a.bucket}, lr {a.lr:g}: range ratio / RMS distance vs the exact walk")
-    steps = sorted(next(iter(result.values())))
-    print("| mode/stats | " + " | ".join(f"step {t}" for t in steps) + " |")
-    print("|---|" + "---|" * len(steps))
-    for name, r in result.items():
-        print(f"| {name} | " + " | ".join(f"{r[t][0]:.2f} / {r[t][1]:.2f}" for t in steps) + " |")
+    print(table(result))
     if a.out:
         a.out.write_text(
             json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "result": result}, indent=1) + "\n"
