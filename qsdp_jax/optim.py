@@ -46,12 +46,10 @@ arrays in the sharded step, so optax's own clip is exact there."""
 
 def all_finite(tree: PyTree) -> jax.Array:
     """True when every float in ``tree`` is finite (over the global arrays)."""
-    bad = sum(
-        jnp.sum(~jnp.isfinite(x)).astype(jnp.int32)
-        for x in jax.tree_util.tree_leaves(tree)
-        if jnp.issubdtype(x.dtype, jnp.inexact)
-    )
-    return jnp.asarray(bad, jnp.int32) == 0
+    # jnp.all over a bool, not a sum of int32s: XLA:CPU materialised the int32 conversion of
+    # every leaf (a full-size s32 copy) before reducing it.
+    ok = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(ok)) if ok else jnp.asarray(True)
 
 
 @jax.tree_util.register_dataclass
