@@ -13,7 +13,7 @@ Usage::
 ``{"params": <the params dict>, "state": {leaf path: array}}`` (every other leaf: the step, the
 optimizer state, the model state). A plain orbax restore of ``arrays`` gives the params pytree as
 unsharded numpy arrays. Zero-size arrays (orbax refuses them) are stored as their shape and dtype
-only. Beside the arrays, a JSON record of what defines the checkpoint: the QSDPConfig, the
+only (:mod:`qsdp_jax._src.checkpoint_arrays`). Beside the arrays, a JSON record of what defines the checkpoint: the QSDPConfig, the
 layout (groups, leaves, shapes, dtypes), the geometry of each weight grid, every leaf's shape,
 the mesh shape, the library version, the step, the caller's ``identity`` (what must match) and
 ``extra`` (what is carried, e.g. the data position).
@@ -27,7 +27,8 @@ whole buckets of its row-major order on both meshes (split on its first dimensio
 usual transformer shapes) its buckets are the same on any device count, and the grid restores
 exactly. Otherwise the grid belongs to the old mesh: restore refuses, naming the leaves, unless
 ``regrid=True`` re-projects them onto the new mesh's grid (:mod:`qsdp_jax._src.regrid`).
-A config, layout, leaf or identity mismatch is refused with an error naming the field.
+A config, layout, leaf or identity mismatch is refused with an error naming the field
+(:mod:`qsdp_jax._src.checkpoint_restore`).
 
 **Atomic.** Orbax writes a step into a temporary directory and renames it when complete; only
 complete steps are listed, so a checkpoint half-written when the process died is never picked up
@@ -53,25 +54,21 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from qsdp_jax._src import checkpoint_safety as safety
+from qsdp_jax._src.checkpoint_arrays import from_item, leaf_names, replicate, to_item
 from qsdp_jax._src.checkpoint_record import (
     FORMAT,
     CheckpointMismatch,
     check_format,
-    check_match,
-    comparable,
     describe,
     jsonable,
     library_version,
-    moved_grids,
-    refuse_grids,
 )
+from qsdp_jax._src.checkpoint_restore import check_restorable, place, set_aside
 from qsdp_jax._src.checkpoint_safety import CheckpointDamaged, CheckpointLocked
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax._src.regrid import grid_leaf_keys
 from qsdp_jax._src.regrid import regrid as regrid_state
 
 __all__ = ["FORMAT", "CheckpointDamaged", "CheckpointLocked", "CheckpointMismatch", "Checkpointer", "export_state"]
@@ -91,24 +88,8 @@ def export_state(state, mesh: Mesh) -> dict[str, jax.Array]:
       ``".params['embed']['w']"``) to a global array replicated on every device of ``mesh``.
     """
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    out = _replicate(mesh)([x for _, x in leaves])
+    out = replicate(mesh)([x for _, x in leaves])
     return {jax.tree_util.keystr(p): x for (p, _), x in zip(leaves, out)}
-
-
-_REPLICATE: dict = {}
-
-
-def _replicate(mesh: Mesh):
-    fn = _REPLICATE.get(mesh)
-    if fn is None:
-        _REPLICATE.clear()  # one mesh per process in practice; keep memory bounded
-        fn = _REPLICATE[mesh] = jax.jit(lambda xs: xs, out_shardings=NamedSharding(mesh, P()))
-    return fn
-
-
-def _is_param(key: str) -> bool:
-    """A params leaf (stored in the ``arrays`` item's params pytree, not under ``state``)."""
-    return key.startswith(".params")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,20 +230,13 @@ class Checkpointer:
             extra=jsonable(extra or {}),
             leaves={k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
         )
-        names = {k: f"leaf_{i:04d}" for i, k in enumerate(arrays) if not _is_param(k)}
+        names = leaf_names(arrays)
         meta["names"] = names
         # Host copies now (each process holds the full replicated array): the caller may donate
         # or delete the state as soon as this returns; the files are written in the background.
         host = {k: np.asarray(v.addressable_data(0)) for k, v in arrays.items()}
         meta["checksums"] = safety.checksums(host)
-        params = jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(state.params),
-            [
-                host[".params" + jax.tree_util.keystr(p)]
-                for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]
-            ],
-        )
-        stored = {"params": params, "state": {names[k]: v for k, v in host.items() if k in names and v.size}}
+        stored = to_item(state.params, host, names)
         return bool(
             self._manager.save(
                 step,
@@ -324,66 +298,16 @@ class Checkpointer:
                 warnings.warn(f"{e}; trying the next older checkpoint", stacklevel=2)
                 continue
             if damage:
-                self._set_aside(sorted(damage))
+                set_aside(self.directory, sorted(damage), self.read_only)
+                self._manager.reload()
             return out
         raise CheckpointDamaged(f"no intact checkpoint in {self.directory}: " + "; ".join(damage.values()))
-
-    def _set_aside(self, steps: list[int]) -> None:
-        """Rename damaged step directories to ``<step>.damaged`` (kept for a person to look at),
-        so that the resumed run saves those steps afresh instead of skipping them as existing."""
-        if not self.read_only and jax.process_index() == 0:
-            moved = []
-            for s in steps:
-                target = self.directory / f"{s}.damaged"
-                n = 1
-                while target.exists():
-                    target, n = self.directory / f"{s}.damaged.{n}", n + 1
-                (self.directory / str(s)).rename(target)
-                moved.append(target.name)
-            warnings.warn(
-                f"moved the damaged checkpoint(s) aside in {self.directory}: {moved} (delete them once looked at)",
-                stacklevel=3,
-            )
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"qsdp_jax checkpoint set aside {steps}")
-        self._manager.reload()
 
     def _restore_step(self, template, config, mesh, step, identity, regrid):
         meta = self.metadata(step)
         where = f"checkpoint {self.directory}/{step}"
-        check_format(meta, where)
-        wanted = describe(template, config, mesh, identity)
-        keys = ("format", "config", "layout", "identity")
-        check_match(comparable({k: meta.get(k) for k in keys}), comparable({k: wanted[k] for k in keys}), where=where)
-        moved = moved_grids(meta.get("grids", {}), wanted["grids"])
-        if moved and not regrid:
-            refuse_grids(meta.get("grids", {}), wanted["grids"], moved, where)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
-        regridded = grid_leaf_keys(template, moved) if moved else set()
-        want = {jax.tree_util.keystr(p) for p, _ in leaves}
-        missing = sorted(want - set(meta["leaves"]) - regridded)
-        unexpected = sorted(set(meta["leaves"]) - want)
-        if missing or unexpected:
-            raise CheckpointMismatch(
-                f"{where} holds another state structure: missing "
-                f"{missing[:3]}, unexpected {unexpected[:3]} (a different optimizer or model?)"
-            )
-        arrays = self._load(step, meta)
-        out = []
-        for path, like in leaves:
-            key = jax.tree_util.keystr(path)
-            if key in regridded:  # a grid of this mesh's buckets, filled by regrid below
-                out.append(like)
-                continue
-            host = arrays[key]
-            if tuple(host.shape) != tuple(like.shape):
-                raise CheckpointMismatch(
-                    f"{key}: the checkpoint holds shape {host.shape}, this state needs {like.shape}"
-                )
-            if str(host.dtype) != str(like.dtype):
-                raise CheckpointMismatch(f"{key}: the checkpoint holds {host.dtype}, this state needs {like.dtype}")
-            out.append(_to_device(host, like.sharding))
-        state = jax.tree_util.tree_unflatten(treedef, out)
+        moved, regridded = check_restorable(meta, template, config, mesh, identity, regrid, where)
+        state = place(template, self._load(step, meta), regridded)
         if moved:
             warnings.warn(
                 f"{where}: the weight grids of {moved} have other buckets on this mesh; "
@@ -422,19 +346,7 @@ class Checkpointer:
             got = self._manager.restore(
                 step, args=ocp.args.Composite(arrays=ocp.args.PyTreeRestore(item=tree, restore_args=as_numpy))
             )["arrays"]
-            params = {
-                ".params" + jax.tree_util.keystr(p): np.asarray(x)
-                for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]
-            }
-            state = got.get("state", {})
-            out = {}
-            for k, (shape, dtype) in meta["leaves"].items():
-                if k in params:
-                    out[k] = params[k]
-                elif int(np.prod(shape)) == 0:
-                    out[k] = np.zeros(shape, dtype)
-                else:
-                    out[k] = np.asarray(state[meta["names"][k]])
+            out = from_item(got, meta)
         except Exception as e:  # noqa: BLE001 - whatever orbax/tensorstore raise for bad files
             raise CheckpointDamaged(f"{where}: its arrays cannot be read ({type(e).__name__}: {e})") from e
         safety.verify(out, meta.get("checksums"), where)
@@ -481,8 +393,3 @@ class Checkpointer:
         if step not in steps:
             raise FileNotFoundError(f"no complete checkpoint of step {step} in {self.directory} (have {steps})")
         return step
-
-
-def _to_device(host: np.ndarray, sharding) -> jax.Array:
-    host = np.array(host, order="C", copy=True)  # (ascontiguousarray would make 0-d arrays 1-d)
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])

@@ -15,7 +15,8 @@
 
 Shards are 1-D with a length that is a multiple of the bucket size; full buffers are the N
 shards concatenated in device order. The payload format (packed codes, then the stats) and its
-receive side live in :mod:`qsdp_jax._src.payload`.
+receive side live in :mod:`qsdp_jax._src.payload`; a shard quantized into it and the gathered
+payloads read back, through the selected kernels, in :mod:`qsdp_jax._src.payload_codec`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from jax import lax
 from qsdp_jax import kernels as qk
 from qsdp_jax._src import quantizers as qz
 from qsdp_jax._src import rotation as qr
+from qsdp_jax._src.payload_codec import (  # noqa: F401  (re-exported for callers of collectives)
+    dequantize_payloads,
+    quantize_payload,
+    stats_kernels,
+)
 from qsdp_jax._src.payload import (  # noqa: F401  (the wire format; re-exported for callers of collectives)
     cpu_boundary,
     dequantize_rows,
@@ -96,53 +102,6 @@ def quantized_all_gather(
     )
     gathered = lax.all_gather(payload, axis_name, axis=0, tiled=False)  # (N, payload)
     return dequantize_payloads(gathered, n, bits=bits, bucket=bucket, kernels=kernels, stats_dtype=stats_dtype)
-
-
-def stats_kernels(kernels: str, stats_dtype: str) -> str:
-    """The kernels mode for quantizers that compute their own stats: the Pallas kernels write
-    float32 stats only, so compact (bf16) stats fall back to the jnp reference."""
-    return kernels if stats_dtype == "float32" else "reference"
-
-
-def quantize_payload(
-    shard, *, bits, bucket, grid=None, rounding="nearest", key=None, kernels="auto", stats_dtype="float32"
-):
-    """The uint8 payload of a 1-D shard (codes + per-bucket stats bytes, :func:`to_payload`'s
-    layout): on ``grid`` when given (lossless), else quantized with ``rounding``."""
-    sd = stats_dtype
-    if grid is not None:
-        return qk.select(
-            kernels,
-            lambda x, s, o: to_payload(qz.quantize_on_grid(x, s, o, bits, bucket), split=bits < 8, stats_dtype=sd),
-            lambda x, s, o, target: payload_from_packed(qk.grid_pack(x, s, o, bits, bucket, target=target), s, o, sd),
-            shard,
-            grid[0],
-            grid[1],
-            bucket=bucket,
-        )
-    return qk.select(
-        stats_kernels(kernels, sd),
-        lambda x: to_payload(
-            qz.quantize(x, bits, bucket, rounding, key, stats_dtype=sd), split=bits < 8, stats_dtype=sd
-        ),
-        lambda x, target: payload_from_packed(*qk.quantize_pack(x, bits, bucket, rounding, key, target=target)),
-        shard,
-        bucket=bucket,
-    )
-
-
-def dequantize_payloads(payloads, n, *, bits, bucket, kernels="auto", stats_dtype="float32"):
-    """``(senders, payload)`` uint8 rows of ``n`` elements each -> the float32 concatenation."""
-    sd = stats_dtype
-    return qk.select(
-        kernels,
-        lambda p: dequantize_rows(p, n, bits, bucket, stats_dtype=sd).reshape(-1),
-        lambda p, target: qk.unpack_dequantize(
-            *split_payload(p, n, bits, bucket, sd), bits, bucket, n, target=target
-        ).reshape(-1),
-        payloads,
-        bucket=bucket,
-    )
 
 
 def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -> jax.Array:

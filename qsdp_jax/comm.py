@@ -27,7 +27,8 @@ collective-permute     operand (= result)               ``B`` (0 if no pair move
 ``lax.scan`` compiles to a ``while``; nested loops multiply).
 
 How the HLO is read: see :mod:`qsdp_jax._src.hlo_reader` (loops multiply by their known trip count,
-every branch of a conditional counts, async collectives count once at their start).
+every branch of a conditional counts, async collectives count once at their start); the model
+above is applied to each collective in :mod:`qsdp_jax._src.wire_model`.
 
 Bytes per mesh axis
 -------------------
@@ -51,9 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections import defaultdict
-from fractions import Fraction
 from typing import Any, Callable
 
 from qsdp_jax._src.hlo_reader import (  # noqa: F401  (DTYPE_BITS, KINDS: part of this module's API)
@@ -61,13 +60,12 @@ from qsdp_jax._src.hlo_reader import (  # noqa: F401  (DTYPE_BITS, KINDS: part o
     KINDS,
     HloModule,
     UnknownTripCountError,
-    _attr_value,
-    _Tuple,
     parse_module,
     parse_replica_groups,
 )
 from qsdp_jax._src import comm_table
-from qsdp_jax._src.hlo_sites import CollectiveSite, collective_sites
+from qsdp_jax._src.hlo_sites import collective_sites
+from qsdp_jax._src.wire_model import site_collectives
 
 __all__ = [
     "Collective",
@@ -373,89 +371,12 @@ def comm_report_from_hlo(hlo_text: str, num_devices: int | None = None, *, stric
 
 
 # ----------------------------------------------------------------------------------------------
-# The wire-byte model
+# The report of the collective sites (their wire bytes: qsdp_jax._src.wire_model)
 
 
 def _analyze(module: HloModule, num_devices: int, strict: bool) -> CommReport:
     sites, warnings = collective_sites(module, strict)
     collectives: list[Collective] = []
     for site in sites:
-        collectives.extend(_collective(site, num_devices, warnings))
+        collectives.extend(Collective(**fields) for fields in site_collectives(site, num_devices, warnings))
     return CommReport(tuple(collectives), num_devices, tuple(warnings))
-
-
-def _resolve_operands(ins, local: dict, global_: dict) -> list | None:
-    leaves: list = []
-    for name, inline in ins.operands:
-        shape = inline if inline is not None else local.get(name, global_.get(name))
-        if shape is None:
-            return None
-        leaves.extend(shape.leaves())
-    return leaves
-
-
-def _collective(site: CollectiveSite, num_devices: int, warnings: list[str]) -> list[Collective]:
-    ins, kind, is_start = site.instr, site.kind, site.is_async_start
-    count, known, local, global_ = site.count, site.trip_count_known, site.local, site.shapes
-    if ins.shape is None:
-        raise ValueError(f"collective %{ins.name} has no result shape: {ins.raw[:200]}")
-    # Inputs and outputs as lists of array leaves.
-    inputs: list | None
-    if is_start and kind != "all-reduce":
-        # all-gather-start: (operand(s), output(s)); collective-permute-start: (in, out, ...);
-        # async sugar reduce-scatter-start / all-to-all-start: ((operands), output(s), ...).
-        if not isinstance(ins.shape, _Tuple) or len(ins.shape.elements) < 2:
-            raise ValueError(f"unexpected result shape of {ins.opcode} %{ins.name}")
-        inputs = ins.shape.elements[0].leaves()
-        outputs = ins.shape.elements[1].leaves()
-    else:
-        outputs = ins.shape.leaves()
-        inputs = outputs if kind == "all-reduce" else _resolve_operands(ins, local, global_)
-
-    if kind == "collective-permute":
-        pairs_text = _attr_value(ins.attrs, "source_target_pairs") or "{}"
-        pairs = [
-            tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{([^{}]*)\}", pairs_text[1:-1]) if p.strip()
-        ]
-        n = len({d for p in pairs for d in p})
-        moves = any(p[0] != p[1] for p in pairs)
-        factor = Fraction(1 if moves else 0)
-        leaves = outputs
-        groups = tuple(p for p in pairs if p[0] != p[1])
-    else:
-        rg = _attr_value(ins.attrs, "replica_groups")
-        groups = parse_replica_groups(rg if rg is not None else "{}", num_devices)
-        n = max(len(g) for g in groups)
-        factor = Fraction(0) if n <= 1 else Fraction(n - 1, n)
-        if kind == "all-reduce":
-            factor *= 2
-        if kind == "all-gather":
-            leaves = outputs
-        elif inputs is not None:
-            leaves = inputs
-        else:  # operand shape not found: the full input is result * N (reduce-scatter)
-            warnings.append(f"%{ins.name} in %{ins.computation}: operand shape not found, derived from result")
-            leaves = outputs
-            if kind == "reduce-scatter":
-                leaves = [dataclasses.replace(a, dims=(*a.dims, n)) for a in outputs]
-
-    by_dtype: dict[str, int] = {}
-    for leaf in leaves:
-        by_dtype[leaf.dtype] = by_dtype.get(leaf.dtype, 0) + leaf.nbytes()
-    by_dtype.pop("token", None)
-    return [
-        Collective(
-            kind=kind,
-            dtype=dtype,
-            bytes_on_wire=float(Fraction(payload * count) * factor),
-            group_size=n,
-            count=count,
-            payload_bytes=payload,
-            name=ins.name,
-            computation=ins.computation,
-            opcode=ins.opcode,
-            trip_count_known=known,
-            replica_groups=tuple(groups),
-        )
-        for dtype, payload in by_dtype.items()
-    ]

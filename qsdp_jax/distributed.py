@@ -15,6 +15,9 @@ Where the settings come from, first match wins:
    ``jax.distributed.initialize()`` fills in whatever is not given.
 3. Nothing: one process, and :func:`initialize` is a no-op.
 
+The variables are read and the clusters detected in :mod:`qsdp_jax._src.cluster_env`;
+:func:`main_print` and the per-process log live in :mod:`qsdp_jax._src.process_output`.
+
 :func:`initialize` is idempotent: a second call (or a call after someone else started
 ``jax.distributed``) returns the running setup. The heartbeat timeout defaults to
 10 s instead of jax's 100 s, so a dead peer does not freeze the others for minutes, and the
@@ -35,12 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
-import sys
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
 from qsdp_jax._src import peers
 from qsdp_jax._src.agreement import (  # noqa: F401  (part of this module's API)
@@ -49,6 +48,25 @@ from qsdp_jax._src.agreement import (  # noqa: F401  (part of this module's API)
     agree_on_error,
     check_agreement,
     from_process_0,
+)
+from qsdp_jax._src.cluster_env import (  # noqa: F401  (the variables' names: part of this module's API)
+    ENV_COORDINATOR,
+    ENV_HEARTBEAT,
+    ENV_INIT,
+    ENV_LOCAL_DEVICE_IDS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_SHUTDOWN,
+    cluster_count,
+    detect_cluster,
+    settings_from_env,
+)
+from qsdp_jax._src.process_output import (  # noqa: F401  (part of this module's API)
+    enable_process_log,
+    is_main_process,
+    main_print,
+    num_processes,
+    process_index,
 )
 
 __all__ = [
@@ -69,16 +87,6 @@ __all__ = [
     "shutdown",
     "watch_peers",
 ]
-
-ENV_COORDINATOR = "QSDP_COORDINATOR"
-ENV_NUM_PROCESSES = "QSDP_NUM_PROCESSES"
-ENV_PROCESS_ID = "QSDP_PROCESS_ID"
-ENV_LOCAL_DEVICE_IDS = "QSDP_LOCAL_DEVICE_IDS"
-ENV_HEARTBEAT = "QSDP_HEARTBEAT_TIMEOUT_S"
-ENV_SHUTDOWN = "QSDP_SHUTDOWN_TIMEOUT_S"
-ENV_INIT = "QSDP_INIT_TIMEOUT_S"
-
-logger = logging.getLogger("qsdp_jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,21 +166,7 @@ class DistributedSettings:
             ids), or an invalid resulting field.
           TypeError: an override that is not a field.
         """
-        env = os.environ if environ is None else environ
-        fields: dict[str, Any] = dict(
-            coordinator=env.get(ENV_COORDINATOR) or env.get("JAX_COORDINATOR_ADDRESS") or None,
-            num_processes=_env_int(env, ENV_NUM_PROCESSES),
-            process_id=_env_int(env, ENV_PROCESS_ID),
-            local_device_ids=_env_ids(env, ENV_LOCAL_DEVICE_IDS),
-        )
-        for name, var in (
-            ("heartbeat_timeout_s", ENV_HEARTBEAT),
-            ("shutdown_timeout_s", ENV_SHUTDOWN),
-            ("init_timeout_s", ENV_INIT),
-        ):
-            value = _env_int(env, var)
-            if value is not None:
-                fields[name] = value
+        fields = settings_from_env(os.environ if environ is None else environ)
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**fields)
 
@@ -207,30 +201,6 @@ class DistributedInfo:
 _STATE: dict[str, DistributedInfo | None] = {"info": None}
 
 
-def detect_cluster(cluster_detection: str | None = None) -> str | None:
-    """The name of the cluster environment JAX's own detection finds here, or None.
-
-    Uses the cluster classes behind ``jax.distributed.initialize()``; the Cloud TPU check
-    only talks to the metadata server when running on a Cloud TPU VM."""
-    if cluster_detection == "deactivate":
-        return None
-    try:
-        from jax._src import clusters
-    except ImportError:  # pragma: no cover - private module moved: let jax decide alone
-        return None
-    for env in clusters.ClusterEnv._cluster_types:
-        if cluster_detection is not None and env.name != cluster_detection:
-            continue
-        if cluster_detection is None and env.opt_in_only_method:
-            continue
-        try:
-            if env.is_env_present():
-                return env.name
-        except Exception:  # noqa: BLE001 - a broken detector is "not this cluster"
-            continue
-    return None
-
-
 def resolve(settings: DistributedSettings | None = None) -> DistributedInfo:
     """What :func:`initialize` would do with ``settings`` (default: from the environment),
     without starting anything. Fields only known once jax starts (a detected cluster's
@@ -242,7 +212,7 @@ def resolve(settings: DistributedSettings | None = None) -> DistributedInfo:
         cluster = None if s.num_processes == 1 else detect_cluster(s.cluster_detection)
         if cluster is None:
             return DistributedInfo("single", 1, 0)
-        return DistributedInfo(cluster, _cluster_count(cluster), None)
+        return DistributedInfo(cluster, cluster_count(cluster), None)
     if None not in (s.coordinator, s.num_processes, s.process_id):
         return DistributedInfo("explicit", s.num_processes, s.process_id, s.coordinator)
     cluster = detect_cluster(s.cluster_detection)
@@ -259,7 +229,7 @@ def resolve(settings: DistributedSettings | None = None) -> DistributedInfo:
             f"coordinator={s.coordinator!r} is set but {' and '.join(missing)} is not, and no "
             "cluster (SLURM, MPI, TPU) was detected to fill it in"
         )
-    return DistributedInfo(cluster, s.num_processes or _cluster_count(cluster), s.process_id, s.coordinator)
+    return DistributedInfo(cluster, s.num_processes or cluster_count(cluster), s.process_id, s.coordinator)
 
 
 def initialize(settings: DistributedSettings | None = None, **kwargs) -> DistributedInfo:
@@ -366,96 +336,6 @@ def shutdown() -> None:
     _STATE["info"] = None
 
 
-def process_index() -> int:
-    """This process's index (never starts a backend, so it is safe before :func:`initialize`).
-
-    Returns:
-      ``jax.process_index()``, or 0 when ``jax.distributed`` is not running.
-    """
-    if "jax" not in sys.modules:
-        return 0
-    import jax
-
-    return jax.process_index() if jax.distributed.is_initialized() else 0
-
-
-def num_processes() -> int:
-    """The number of processes (never starts a backend, as :func:`process_index`).
-
-    Returns:
-      ``jax.process_count()``, or 1 when ``jax.distributed`` is not running.
-    """
-    if "jax" not in sys.modules:
-        return 1
-    import jax
-
-    return jax.process_count() if jax.distributed.is_initialized() else 1
-
-
-def is_main_process() -> bool:
-    """Whether this is process 0: the one that prints progress and writes result files.
-
-    Returns:
-      True on process 0 (and in a single-process run).
-    """
-    return process_index() == 0
-
-
-def main_print(*args, file=None, **kwargs) -> None:
-    """``print`` on process 0 only; every process also logs the line to its own file when
-    :func:`enable_process_log` was called.
-
-    Args:
-      *args: the values to print, as for ``print``.
-      file: as for ``print`` (default: ``sys.stdout``).
-      **kwargs: other ``print`` arguments (``sep``, ``end``, ``flush``); ``sep`` also joins the
-        logged line.
-    """
-    msg = kwargs.get("sep", " ").join(str(a) for a in args)
-    logger.info(msg)
-    if is_main_process():
-        print(*args, file=file, **kwargs)
-
-
-def enable_process_log(directory: str | os.PathLike, level: int = logging.INFO) -> Path:
-    """Log the ``qsdp_jax`` logger (and :func:`main_print`) of this process to a file of its own.
-
-    Call after :func:`initialize` (the file is named by the process index). Calling it again for
-    the same file adds no second handler. The logger then no longer propagates to the root
-    logger (the file, not also every process's stderr).
-
-    Args:
-      directory: the directory of the log files (created if missing).
-      level: the logger's level, lowered to this if it is higher or unset (default
-        ``logging.INFO``).
-
-    Returns:
-      The log file's path, ``directory/process_<i>.log`` (``i`` zero-padded to 3 digits).
-    """
-    path = Path(directory) / f"process_{process_index():03d}.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for h in logger.handlers:
-        if isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path.resolve():
-            return path
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s p{process_index()} %(levelname)s %(message)s"))
-    logger.addHandler(handler)
-    logger.propagate = False  # the file, not also every process's stderr (a root handler)
-    if logger.level == logging.NOTSET or logger.level > level:
-        logger.setLevel(level)
-    return path
-
-
-def _cluster_count(cluster: str) -> int | None:
-    try:
-        from jax._src import clusters
-
-        env = next(e for e in clusters.ClusterEnv._cluster_types if e.name == cluster)
-        return int(env.get_process_count())
-    except Exception:  # noqa: BLE001 - unknown until jax starts
-        return None
-
-
 def _fail(field: str, value, allowed: str):
     raise ValueError(f"DistributedSettings.{field}={value!r} is invalid: must be {allowed}")
 
@@ -463,25 +343,3 @@ def _fail(field: str, value, allowed: str):
 def _check_int(field: str, value, *, minimum: int):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         _fail(field, value, f"an integer >= {minimum}")
-
-
-def _env_int(env: Mapping[str, str], var: str) -> int | None:
-    raw = env.get(var)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {var}={raw!r} is invalid: must be an integer") from None
-
-
-def _env_ids(env: Mapping[str, str], var: str) -> tuple[int, ...] | None:
-    raw = env.get(var)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        return tuple(int(x) for x in raw.split(","))
-    except ValueError:
-        raise ValueError(
-            f"environment variable {var}={raw!r} is invalid: must be comma-separated device ids such as 0,1,2,3"
-        ) from None

@@ -9,7 +9,8 @@ contiguous block of the row-major leaf, so when that block is whole buckets the 
 depend on the device count (a checkpoint reshards with its grid unchanged, and the sharded
 QSDP step equals the single-device one bit for bit). Any other leaf is *replicated* on every
 device in full precision (its gradient averaged); a large leaf that divides on no dimension is
-replicated with a warning naming it (pad the model's dimension to fix it).
+replicated with a warning naming it (pad the model's dimension to fix it). The rule is applied
+group by group in :mod:`qsdp_jax._src.group_layout`, home of ``GroupLayout`` and ``LeafLayout``.
 
 **Buckets** live inside one device's shard: device ``i``'s block of a leaf, flattened
 row-major and padded to whole buckets, holds buckets ``i * nb .. (i + 1) * nb - 1`` of that leaf
@@ -26,109 +27,17 @@ gives a group one buffer per distinct bits.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qsdp_jax._src import policy
-from qsdp_jax._src.policy import Buffer, Slot
+from qsdp_jax._src.group_layout import GroupLayout, LeafLayout, build_group, shard_dim  # noqa: F401  (re-exported)
+from qsdp_jax._src.policy import Buffer
 
 PyTree = Any
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def shard_dim(shape: Sequence[int], num_shards: int) -> int | None:
-    """The dimension of ``shape`` a leaf is split on over ``num_shards`` devices: the first that
-    divides (see the module docstring), or None when none does."""
-    for d, size in enumerate(shape):
-        if size % num_shards == 0 and size > 0:
-            return d
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafLayout:
-    """How one parameter leaf is held: its per-layer shape, and the dimension it is split on.
-
-    ``dim`` indexes the per-layer ``shape`` (add 1 for the global array of a stacked leaf);
-    None: replicated. ``local_size``: elements of one device's block (per layer); ``buckets``:
-    buckets per device (per layer), the block padded to whole buckets.
-    """
-
-    index: int  # position among the group's leaves (treedef order)
-    path: str  # qsdp_jax._src.policy path, e.g. "blocks/attn/q"
-    shape: tuple[int, ...]  # per layer
-    dtype: str
-    dim: int | None
-    local_size: int
-    buckets: int
-
-    @property
-    def sharded(self) -> bool:
-        return self.dim is not None
-
-    def local_shape(self, num_shards: int) -> tuple[int, ...]:
-        """The per-layer shape of one device's block."""
-        if self.dim is None:
-            return self.shape
-        s = list(self.shape)
-        s[self.dim] //= num_shards
-        return tuple(s)
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupLayout:
-    """One parameter group: its leaves, and the flat buffer(s) its sharded leaves are packed
-    into for the collectives (one at the config's bits, keyed by the group's name, and one per
-    other bits of a ``QSDPConfig.bit_policy``)."""
-
-    name: str
-    stacked: bool
-    n_layers: int  # 0 for a non-stacked group
-    treedef: Any
-    leaves: tuple[LeafLayout, ...]
-    buffers: tuple[Buffer, ...]
-
-    @property
-    def num_leaves(self) -> int:
-        return len(self.leaves)
-
-    @property
-    def replicated(self) -> tuple[int, ...]:
-        return tuple(x.index for x in self.leaves if not x.sharded)
-
-    @property
-    def is_sharded(self) -> bool:
-        return bool(self.buffers)
-
-    @property
-    def real_size(self) -> int:
-        """Sharded elements of the group (per layer)."""
-        return sum(math.prod(self.leaves[s.index].shape) for b in self.buffers for s in b.slots)
-
-    @property
-    def held_size(self) -> int:
-        """Padded elements of all the group's gather buffers (per layer, all devices)."""
-        return sum(b.flat_size for b in self.buffers)
-
-    flat_size = held_size  # the gathered length of the group (per layer), as collectives count it
-
-    @property
-    def chunk(self) -> int:
-        """One device's packed elements of all the group's buffers (per layer)."""
-        return sum(b.chunk for b in self.buffers)
-
-    def leaf_paths(self) -> list[str]:
-        """The ``qsdp_jax._src.policy`` path of every leaf, in treedef order."""
-        return [x.path for x in self.leaves]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +105,7 @@ class ParamLayout:
         replicated_paths: list[str] = []
         undivided: list[str] = []
         for name in sorted(params):
-            g = _group_layout(
+            g = build_group(
                 name,
                 params[name],
                 name in stacked,
@@ -406,55 +315,3 @@ def leaf_spec(g: GroupLayout, x: LeafLayout, axes) -> P:
     spec = [None] * (len(x.shape) + lead)
     spec[x.dim + lead] = axes
     return P(*spec)
-
-
-def _group_layout(
-    name, tree, is_stacked, n, bucket, min_shard_size, bit_policy, default_bits, undivided
-) -> GroupLayout:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    paths = policy.tree_paths(name, tree)
-    n_layers = _layer_count(name, leaves) if is_stacked else 0
-    out: list[LeafLayout] = []
-    by_bits: dict[policy.Bits | None, list[LeafLayout]] = {}  # None: the config's bits
-    for i, leaf in enumerate(leaves):
-        shape = tuple(np.shape(leaf)[1:] if is_stacked else np.shape(leaf))
-        size, dtype = math.prod(shape), _dtype(leaf)
-        large = jnp.issubdtype(dtype, jnp.floating) and size >= min_shard_size and size > 0
-        dim = shard_dim(shape, n) if large else None
-        if large and dim is None:
-            undivided.append(f"{paths[i]} {shape}")
-        local = size // n if dim is not None else size
-        out.append(LeafLayout(i, paths[i], shape, str(dtype), dim, local, -(-local // bucket)))
-        if dim is not None:
-            bits = policy.leaf_bits(bit_policy, paths[i]) if bit_policy else None
-            by_bits.setdefault(None if bits == default_bits else bits, []).append(out[-1])
-    buffers = []
-    others = sorted((b for b in by_bits if b is not None), key=policy.bits_label)
-    for bits in ([None] if None in by_bits else []) + others:
-        slots, offset = [], 0
-        for x in by_bits[bits]:
-            slots.append(Slot(x.index, x.local_shape(n), x.dtype, offset, x.local_size))
-            offset += x.buckets * bucket
-        index = 0 if bits is None else others.index(bits) + 1  # keys the buffer's gradient noise
-        buffers.append(
-            Buffer(
-                policy.buffer_key(name, bits), name, index, bits, tuple(slots), offset * n, offset, is_stacked, n_layers
-            )
-        )
-    return GroupLayout(name, is_stacked, n_layers, treedef, tuple(out), tuple(buffers))
-
-
-def _layer_count(name: str, leaves) -> int:
-    dims: set[int | None] = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-    leading = next(iter(dims)) if len(dims) == 1 else None
-    if leading is None:
-        raise ValueError(
-            f"stacked group {name!r} needs the same leading layer axis on every leaf, "
-            f"got leading dims {sorted(map(str, dims))}"
-        )
-    return leading
-
-
-def _dtype(x) -> np.dtype:
-    """The dtype of an array, a ShapeDtypeStruct or a Python scalar."""
-    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype

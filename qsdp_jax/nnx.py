@@ -55,7 +55,9 @@ from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.nnx_scan import scan  # noqa: F401  (re-exported: qsdp_jax.nnx.scan)
 from qsdp_jax._src.nnx_scan import StepContext
 from qsdp_jax._src.nnx_tree import ModelDef, describe, group_params, model_state, set_model_state, set_params  # noqa: F401
-from qsdp_jax._src.nnx_tree import in_mode, mode_differences, state_mismatches
+from qsdp_jax._src.nnx_tree import in_mode, mode_differences
+from qsdp_jax._src.nnx_checks import INT_HINT, check_fits, param_label, split_loss, state_label, warn_mode
+from qsdp_jax._src.nnx_summary import summary_table, warn_whole
 from qsdp_jax._src.hierarchy import mesh_sizes
 
 PyTree = Any
@@ -100,55 +102,10 @@ def init_state(
     guards.check_stacked(stacked)
     mdef = describe(model, stacked)
     params = group_params(model, mdef)
-    guards.check_params(params, mdef.stacked, label=_param_label, int_hint=_INT_HINT)
+    guards.check_params(params, mdef.stacked, label=param_label, int_hint=INT_HINT)
     state = train.init_checked_state(params, optimizer, mesh, config, mdef.stacked)
     copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=NamedSharding(mesh, P()))
     return dataclasses.replace(state, model_state=copy(model_state(model, mdef)))
-
-
-_INT_HINT = (
-    "hold integer or boolean arrays in an nnx.Variable that is not an nnx.Param "
-    "(model state, carried by the step), or outside the module"
-)
-
-
-def _param_label(path) -> str:
-    """``nnx.Param blocks/0/kernel``: a leaf of the groups dict by its module path."""
-    return "nnx.Param " + "/".join(str(getattr(k, "key", k)) for k in path)
-
-
-def _state_label(path) -> str:
-    """A leaf of a TrainState named as the NNX user knows it."""
-    field, rest = path[0].name, path[1:]
-    if field == "params":
-        return f"state's {_param_label(rest)}"
-    if field == "model_state":
-        return f"state's model state {rest[0].key}"
-    if field == "opt_state":
-        return f"state's optimizer state {jax.tree_util.keystr(rest)}"
-    return f"state's {field}"
-
-
-def _check_fits(mdef: ModelDef, state: train.TrainState) -> None:
-    """A clear error for a state (from init_state) of another model than ``mdef``'s."""
-    if not isinstance(state, train.TrainState):
-        raise TypeError(f"expected the TrainState from qsdp_jax.nnx.init_state, got {type(state).__name__}")
-    have = tuple(g.name for g in state.layout.groups)
-    want = tuple(g.name for g in mdef.groups)
-    stacked = tuple(g.name for g in state.layout.groups if g.stacked)
-    if have != want or stacked != mdef.stacked:
-        raise ValueError(
-            f"the state's groups {have} (stacked {stacked}) are not this model's {want} "
-            f"(stacked {mdef.stacked}): make the state with qsdp_jax.nnx.init_state from "
-            "the same model, with the same stacked="
-        )
-    bad = state_mismatches(mdef, state.params, state.model_state)
-    if bad:
-        more = f"; and {len(bad) - 4} more" if len(bad) > 4 else ""
-        raise ValueError(
-            f"the state does not fit this module (was it made from another model?): "
-            f"{'; '.join(bad[:4])}{more}. Make the state with qsdp_jax.nnx.init_state from this module"
-        )
 
 
 def update(model: nnx.Module, state: train.TrainState) -> None:
@@ -167,8 +124,8 @@ def update(model: nnx.Module, state: train.TrainState) -> None:
       RuntimeError: the state was donated to a step call.
     """
     mdef = describe(model, [g.name for g in state.layout.groups if g.stacked])
-    guards.check_not_donated(state, _state_label)
-    _check_fits(mdef, state)
+    guards.check_not_donated(state, state_label)
+    check_fits(mdef, state)
     set_params(model, mdef, train.gather_params(state))
     if state.model_state is not None:
         set_model_state(model, mdef, jax.tree.map(jnp.copy, state.model_state))
@@ -217,7 +174,7 @@ class TrainStep:
             raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
         graph = in_mode(model, mode)  # the module runs from this copy's graph, in the step's mode
         if mode == "train":
-            _warn_mode(mode_differences(model, graph))
+            warn_mode(mode_differences(model, graph))
         self.mdef: ModelDef = describe(graph, stacked)
         self.n = mesh_sizes(mesh, config)[1]  # every device: the batch is split over all
         self.loss_fn, self.optimizer, self.mesh, self.config = loss_fn, optimizer, mesh, config
@@ -227,8 +184,8 @@ class TrainStep:
 
     def __call__(self, state: train.TrainState, batch: PyTree):
         if isinstance(state, train.TrainState):
-            guards.check_not_donated(state, _state_label)
-            guards.check_mesh(state, self.mesh, _state_label)
+            guards.check_not_donated(state, state_label)
+            guards.check_mesh(state, self.mesh, state_label)
         return self._jitted(state, batch)
 
     def lower(self, state, batch):
@@ -257,11 +214,11 @@ class TrainStep:
         with ctx.active():
             module = ctx.build(extra["state"], extra["step"])
             out = self.loss_fn(module, batch)
-        loss, aux = _split_loss(out, self.has_aux)
+        loss, aux = split_loss(out, self.has_aux)
         return loss, {"aux": aux, "state": ctx.read_state(module, extra["state"])}
 
     def _step(self, state: train.TrainState, batch):
-        _check_fits(self.mdef, state)  # at trace time: a state of other shapes is a new trace
+        check_fits(self.mdef, state)  # at trace time: a state of other shapes is a new trace
         self.record.clear()  # filled while this trace runs the loss
         # one copy per example (as many as the batch's leading size, a multiple of the devices):
         # the step checks that every batch leaf holds the same number of examples
@@ -285,19 +242,8 @@ class TrainStep:
         )
         new, metrics, aux = fn(inner, xbatch)
         new = dataclasses.replace(new, model_state=aux["state"])
-        self._warn_whole()
+        warn_whole(self.mdef.stacked, self.record)
         return (new, metrics, aux["aux"]) if self.has_aux else (new, metrics)
-
-    # --- what the step gathers ---------------------------------------------------------------
-    def _warn_whole(self):
-        whole = [n for n in self.mdef.stacked if self.record.get(n) == "whole"]
-        if whole:
-            warnings.warn(
-                f"layer stack(s) {whole} are gathered whole (all layers at once), not one layer at "
-                "a time: scan them with qsdp_jax.nnx.scan in the forward to keep FSDP's memory "
-                "saving (step.summary(state, batch) gives the cost)",
-                stacklevel=3,
-            )
 
     def summary(self, state: train.TrainState, batch: PyTree) -> str:
         """How each group is gathered in this step, and the peak bytes of gathered weights.
@@ -324,57 +270,7 @@ class TrainStep:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             jax.eval_shape(lambda s, b: self._step(s, b), state, batch)  # a fresh trace
-        rows = [f"{'group':<16}{'layers':>7}  {'gathered':<11}{'held at once':>14}  note"]
-        peak = 0
-        for g in state.layout.groups:
-            how = self.record.get(g.name, "not read")
-            per_layer = 4 * g.held_size  # the fp32 gather buffers of one layer
-            held = per_layer * (g.n_layers if (g.stacked and how == "whole") else 1)
-            note = ""
-            if g.stacked and how == "whole":
-                note = (
-                    f"whole stack: {_mib(held)} instead of {_mib(per_layer)} per layer (scan it with qsdp_jax.nnx.scan)"
-                )
-            if how != "not read":
-                peak += held
-            rows.append(f"{g.name:<16}{g.n_layers:>7}  {how:<11}{_mib(held):>14}  {note}")
-        rows.append(f"gathered weights held at once, at most: {_mib(peak)} per device")
-        if self.config.bit_policy:  # the bits of every sharded leaf
-            rows += ["", f"bit policy {self.config.bit_policy}:", state.layout.bits_table(self.config)]
-        return "\n".join(rows)
-
-
-def _warn_mode(differences: list[str]) -> None:
-    if differences:
-        more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""
-        warnings.warn(
-            f"the module is in eval mode ({', '.join(differences[:3])}{more}) but this train step "
-            "runs it in training mode, as model.train() sets it (dropout on, batch statistics "
-            "updated); pass mode=None to train the module with its attributes as they are now",
-            stacklevel=4,
-        )
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.3f} MiB"
-
-
-def _split_loss(out, has_aux: bool):
-    if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError(f"with has_aux=True, loss_fn must return (loss, aux), got {type(out).__name__}")
-        loss, aux = out
-    else:
-        loss, aux = out, None
-    if isinstance(out, tuple) and not has_aux:
-        raise ValueError("loss_fn returned a tuple: return a scalar loss, or (loss, aux) with has_aux=True")
-    floating = hasattr(loss, "dtype") and jnp.issubdtype(jnp.result_type(loss), jnp.floating)
-    if not floating or jnp.shape(loss) != ():
-        raise ValueError(
-            f"loss_fn must return a scalar floating loss (the mean over the local batch); got "
-            f"shape {jnp.shape(loss)} dtype {jnp.result_type(loss)}"
-        )
-    return loss, aux
+        return summary_table(state.layout, self.record, self.config)
 
 
 def make_train_step(

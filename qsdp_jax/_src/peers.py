@@ -8,10 +8,11 @@ at once (the coordinator died) or after the heartbeat timeout, and a frozen one 
 then. jax 0.10 cannot call Python instead: its ``missed_heartbeat_callback`` cannot pass the
 error to Python (nanobind ``std::bad_cast``, then ``std::terminate``). This module comes first:
 
-* :func:`connect_guard` (used by :func:`qsdp_jax.distributed.initialize`): if
-  ``jax.distributed.initialize`` has not returned within the bound, print what is wrong
-  (nothing listens at the coordinator's address, or it does but not every process joined) and
-  exit with :data:`EXIT_NOT_CONNECTED`, before JAX's own ``initialization_timeout``.
+* :func:`connect_guard` (in :mod:`qsdp_jax._src.connect_guard`, re-exported here; used by
+  :func:`qsdp_jax.distributed.initialize`): if ``jax.distributed.initialize`` has not returned
+  within the bound, print what is wrong (nothing listens at the coordinator's address, or it
+  does but not every process joined) and exit with :data:`EXIT_NOT_CONNECTED`, before JAX's own
+  ``initialization_timeout``.
 * :class:`PeerMonitor` (:func:`qsdp_jax.distributed.watch_peers`): process 0 and every other
   process keep a plain TCP connection (process 0 listens on a free port it publishes through
   JAX's key-value store) and send a heartbeat byte every ``timeout_s / 5``. A connection that
@@ -30,12 +31,9 @@ its exit is not taken for a death.
 from __future__ import annotations
 
 import atexit
-import errno
 import logging
-import os
 import selectors
 import socket
-import sys
 import threading
 import time
 from typing import Callable, cast
@@ -43,113 +41,21 @@ from typing import Callable, cast
 from jax._src import distributed as jax_distributed
 
 from qsdp_jax._src import agreement
+from qsdp_jax._src.connect_guard import (  # noqa: F401  (connect_guard, check_port_free: part of this module's API)
+    EXIT_NOT_CONNECTED,
+    check_port_free,
+    connect_guard,
+    exit_now,
+    host_port,
+    say,
+)
 
 __all__ = ["EXIT_NOT_CONNECTED", "EXIT_PEER_LOST", "PeerMonitor", "check_port_free", "connect_guard"]
 
-EXIT_NOT_CONNECTED = 69  # EX_UNAVAILABLE: the processes never all met
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: as qsdp_jax.watchdog: restart the run and resume
 _KEY = "qsdp_jax/peers"
 _SESSIONS = {"n": 0}
 _GRACE_S = 2.0
-
-
-def _exit_now(code: int) -> None:
-    os._exit(code)  # the main thread may be blocked in a collective: no unwinding
-
-
-def _say(text: str) -> None:
-    sys.stderr.write(f"\nqsdp_jax: {text}\n")
-    sys.stderr.flush()
-    sys.stdout.flush()
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def _accepts(address: str) -> bool:
-    try:
-        with socket.create_connection(_host_port(address), timeout=2):
-            return True
-    except OSError:
-        return False
-
-
-def check_port_free(address: str) -> None:
-    """ValueError if something listens on this host at ``address``'s port already (for process
-    0, before it starts the coordinator there: another process 0, or another program)."""
-    port = _host_port(address)[1]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                return  # not ours to judge (permissions...): jax will say
-            raise ValueError(
-                f"the coordinator's port {port} ({address}) is already in use on this host: "
-                "another process was started with process id 0 (do two processes share an "
-                "id?), or another program listens there; choose another port"
-            ) from None
-
-
-def _not_connected(address: str, process_id: int, n: int, timeout_s: float) -> str:
-    others = "process 1" if n == 2 else f"processes 1..{n - 1}"
-    if process_id == 0:
-        return (
-            f"process 0 of {n} (the coordinator, at {address}) waited {timeout_s:g} s but not "
-            f"all {n} processes connected to it: check that {others} started, with this "
-            f"coordinator address and port and {n} processes, and that no two share a "
-            "process id."
-        )
-    if not _accepts(address):
-        return (
-            f"process {process_id} of {n} did not connect to the coordinator {address} within "
-            f"{timeout_s:g} s: nothing accepts connections there. Check that process 0 runs "
-            "(it may have stopped with an error) and that this is the host and port it uses."
-        )
-    return (
-        f"process {process_id} of {n} did not connect to the coordinator {address} within "
-        f"{timeout_s:g} s: the coordinator runs there but not all {n} processes joined it. "
-        f"Check that every process 0..{n - 1} started with {n} processes, and that no two "
-        "share a process id."
-    )
-
-
-class connect_guard:  # noqa: N801 - used as a function: ``with connect_guard(...):``
-    """While the ``with`` block runs (``jax.distributed.initialize``): if it has not finished
-    after ``timeout_s``, print why and exit with ``exit_code``."""
-
-    def __init__(
-        self,
-        address: str,
-        process_id: int,
-        num_processes: int,
-        timeout_s: float,
-        *,
-        exit_code: int = EXIT_NOT_CONNECTED,
-        _exit: Callable[[int], None] | None = None,
-    ):
-        self.args = (address, process_id, num_processes, timeout_s)
-        self.exit_code = exit_code
-        self._exit = _exit or _exit_now
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="qsdp-connect-guard", daemon=True)
-
-    def _watch(self) -> None:
-        if self._done.wait(self.args[3]):
-            return
-        _say(_not_connected(*self.args) + f" Exiting with status {self.exit_code}.")
-        self._exit(self.exit_code)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._done.set()
-        self._thread.join()
 
 
 class PeerMonitor:
@@ -176,7 +82,7 @@ class PeerMonitor:
         self.timeout_s = float(timeout_s)
         self.exit_code = exit_code
         self.connect_timeout_s = float(connect_timeout_s)
-        self._exit = _exit or _exit_now
+        self._exit = _exit or exit_now
         self._sel = selectors.DefaultSelector()
         self._conns: dict[socket.socket, dict] = {}  # socket -> {"id", "buf", "seen", "done"}
         self._stop = threading.Event()
@@ -208,7 +114,7 @@ class PeerMonitor:
             else:
                 self._connect(client, key)
         except Exception as e:  # noqa: BLE001 - monitoring is best effort; say so
-            _say(
+            say(
                 f"process {self.me} of {self.n}: cannot watch the other processes "
                 f"({type(e).__name__}: {e}); a lost process ends this one only through JAX's "
                 "heartbeat timeout"
@@ -237,7 +143,7 @@ class PeerMonitor:
         port = int(client.blocking_key_value_get(key, int(self.connect_timeout_s * 1000)))
         address = jax_distributed.global_state.coordinator_address
         assert address is not None  # set by jax.distributed.initialize, before its client
-        host = _host_port(address)[0]
+        host = host_port(address)[0]
         sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
         sock.sendall(f"HELLO {self.me}\n".encode())
         self._add(sock, 0)
@@ -325,7 +231,7 @@ class PeerMonitor:
         self._stop.set()
         if self.me == 0 and relay:  # tell the others before going
             self._send_all(f"GONE {what}\n".encode(), blocking=True)
-        _say(
+        say(
             f"process {self.me} of {self.n} stops: {what}. Exiting with status "
             f"{self.exit_code}; restart the run to resume from its last complete checkpoint."
         )

@@ -1,0 +1,65 @@
+"""The ``arrays`` item of a checkpoint: how a state's leaves are stored in orbax and read back.
+
+The item is ``{"params": <the params dict>, "state": {leaf name: array}}``: the params pytree as
+it is (a plain orbax restore of ``arrays`` gives it as unsharded numpy arrays), every other leaf
+of the state (the step, the optimizer state, the model state) under a name ``leaf_0000``...
+that the checkpoint's record maps to the leaf's path (``meta["names"]``). Zero-size arrays
+(orbax refuses them) are not stored: the record's shape and dtype rebuild them.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+_REPLICATE: dict = {}
+
+
+def replicate(mesh: Mesh):
+    """A jitted identity whose outputs are replicated on ``mesh`` (one cached per mesh)."""
+    fn = _REPLICATE.get(mesh)
+    if fn is None:
+        _REPLICATE.clear()  # one mesh per process in practice; keep memory bounded
+        fn = _REPLICATE[mesh] = jax.jit(lambda xs: xs, out_shardings=NamedSharding(mesh, P()))
+    return fn
+
+
+def is_param(key: str) -> bool:
+    """A params leaf (stored in the ``arrays`` item's params pytree, not under ``state``)."""
+    return key.startswith(".params")
+
+
+def leaf_names(keys) -> dict[str, str]:
+    """``{leaf path: stored name}`` of the leaves stored under ``state`` (every non-params one)."""
+    return {k: f"leaf_{i:04d}" for i, k in enumerate(keys) if not is_param(k)}
+
+
+def to_item(params, host: dict[str, np.ndarray], names: dict[str, str]) -> dict:
+    """The ``arrays`` item of host arrays ``{leaf path: array}``: ``params`` (the state's params
+    pytree) rebuilt of the host copies, the other leaves under their ``names`` (zero-size ones
+    left out)."""
+    stored_params = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(params),
+        [host[".params" + jax.tree_util.keystr(p)] for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]],
+    )
+    return {"params": stored_params, "state": {names[k]: v for k, v in host.items() if k in names and v.size}}
+
+
+def from_item(got: dict, meta: dict) -> dict[str, np.ndarray]:
+    """``{leaf path: numpy array}`` of every leaf the record ``meta`` lists, from the restored
+    ``arrays`` item ``got`` (zero-size leaves rebuilt from their recorded shape and dtype)."""
+    params = {
+        ".params" + jax.tree_util.keystr(p): np.asarray(x)
+        for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]
+    }
+    state = got.get("state", {})
+    out = {}
+    for k, (shape, dtype) in meta["leaves"].items():
+        if k in params:
+            out[k] = params[k]
+        elif int(np.prod(shape)) == 0:
+            out[k] = np.zeros(shape, dtype)
+        else:
+            out[k] = np.asarray(state[meta["names"][k]])
+    return out
