@@ -118,7 +118,7 @@ def test_overwrite_with_fp32_baseline(run_dir, tmp_path, capsys):
         "all-gather/f32",
         "reduce-scatter/f32",
         "all-reduce/f32",
-        "all-reduce/s32",
+        "all-reduce/pred",  # the non-finite flag (optim.all_finite)
         "all-to-all/f32",
     }
     assert (out / "notes.txt").read_text() == "kept"  # only the run's own files are replaced
