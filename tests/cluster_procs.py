@@ -11,33 +11,10 @@ import time
 from pathlib import Path
 
 from experiments.shelf.multiproc import find_free_port
+from tests.trainer_flags import trainer_flags
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
-SMALL = [
-    "--d-model",
-    "32",
-    "--n-heads",
-    "2",
-    "--n-layers",
-    "1",
-    "--seq-len",
-    "32",
-    "--batch",
-    "8",
-    "--bucket-size",
-    "64",
-    "--eval-batches",
-    "1",
-    "--data",
-    str(DATA),
-    "--steps",
-    "3",
-    "--no-fp32-ratio",
-    "--quiet",
-    "--simulate-devices",
-    "4",
-]
+SMALL = trainer_flags(d_model=32, seq_len=32, batch=8, steps=3, no_fp32_ratio=True, quiet=True, simulate_devices=4)
 
 
 def start_trainers(

@@ -17,6 +17,7 @@ import jax
 import qsdp_jax as q
 import test_checkpoint
 from qsdp_jax.checkpoint import CheckpointDamaged, CheckpointLocked, Checkpointer
+from tests.trainer_flags import trainer_flags
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = q.QSDPConfig.qsdp(8, 8, bucket_size=64, min_shard_size=256)
@@ -229,42 +230,18 @@ def test_full_disk_fails_loudly_at_exit(mounts):
     assert "did not complete at exit" in done.stderr and "No space left" in done.stderr
 
 
-TRAINER_ARGS = [
-    "--d-model",
-    "16",
-    "--n-heads",
-    "2",
-    "--n-layers",
-    "1",
-    "--seq-len",
-    "16",
-    "--batch",
-    "4",
-    "--bucket-size",
-    "64",
-    "--min-shard-size",
-    "256",
-    "--eval-batches",
-    "1",
-    "--data",
-    str(REPO / "tests" / "testdata" / "shakespeare_small.txt"),
-    "--lr",
-    "1e-2",
-    "--warmup",
-    "1",
-    "--no-fp32-ratio",
-    "--quiet",
-    "--steps",
-    "6",
-    "--eval-every",
-    "6",
-    "--devices",
-    "2",
-    "--checkpoint-every",
-    "2",
-    "--keep",
-    "3",
-]
+TRAINER_ARGS = trainer_flags(
+    min_shard_size=256,
+    lr="1e-2",
+    warmup=1,
+    no_fp32_ratio=True,
+    quiet=True,
+    steps=6,
+    eval_every=6,
+    devices=2,
+    checkpoint_every=2,
+    keep=3,
+)
 
 
 def _trainer(out: Path, *extra) -> subprocess.CompletedProcess:

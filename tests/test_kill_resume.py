@@ -16,47 +16,23 @@ import numpy as np
 import pytest
 
 from qsdp_jax.checkpoint import Checkpointer
+from tests.trainer_flags import trainer_flags
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = REPO / "tests" / "testdata" / "shakespeare_small.txt"
 STEPS = 64  # long enough that no life finishes the run before its kill lands
 KILLS = 10
-ARGS = [
-    "--d-model",
-    "16",
-    "--n-heads",
-    "2",
-    "--n-layers",
-    "1",
-    "--seq-len",
-    "16",
-    "--batch",
-    "4",
-    "--bucket-size",
-    "64",
-    "--min-shard-size",
-    "256",
-    "--eval-batches",
-    "1",
-    "--data",
-    str(DATA),
-    "--lr",
-    "1e-2",
-    "--warmup",
-    "1",
-    "--no-fp32-ratio",
-    "--quiet",
-    "--steps",
-    str(STEPS),
-    "--eval-every",
-    "16",
-    "--devices",
-    "2",
-    "--checkpoint-every",
-    "1",
-    "--keep",
-    "2",
-]
+ARGS = trainer_flags(
+    min_shard_size=256,
+    lr="1e-2",
+    warmup=1,
+    no_fp32_ratio=True,
+    quiet=True,
+    steps=STEPS,
+    eval_every=16,
+    devices=2,
+    checkpoint_every=1,
+    keep=2,
+)
 
 
 def _cache_env(cache: Path) -> dict:

@@ -12,38 +12,11 @@ import numpy as np
 import pytest
 
 from experiments.gpt import train as tg, trainer as tr
+from tests.trainer_flags import trainer_flags
 
-DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
-TINY = [
-    "--d-model",
-    "16",
-    "--n-heads",
-    "2",
-    "--n-layers",
-    "1",
-    "--seq-len",
-    "16",
-    "--batch",
-    "8",
-    "--bucket-size",
-    "64",
-    "--min-shard-size",
-    "256",
-    "--eval-batches",
-    "1",
-    "--data",
-    str(DATA),
-    "--lr",
-    "1e-2",
-    "--warmup",
-    "1",
-    "--no-fp32-ratio",
-    "--quiet",
-    "--steps",
-    "6",
-    "--eval-every",
-    "3",
-]
+TINY = trainer_flags(
+    batch=8, min_shard_size=256, lr="1e-2", warmup=1, no_fp32_ratio=True, quiet=True, steps=6, eval_every=3
+)
 
 
 def _rows(out: Path) -> list[dict]:

@@ -14,26 +14,9 @@ import pytest
 import qsdp_jax as q
 from experiments.gpt import demo, train as tg
 from experiments.gpt.report import Progress
+from tests.trainer_flags import trainer_flags
 
-DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
-SMALL = [
-    "--d-model",
-    "32",
-    "--n-heads",
-    "2",
-    "--n-layers",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch",
-    "8",
-    "--bucket-size",
-    "64",
-    "--eval-batches",
-    "1",
-    "--data",
-    str(DATA),
-]
+SMALL = trainer_flags(d_model=32, n_layers=2, seq_len=32, batch=8)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,32 +10,11 @@ import pytest
 
 from experiments.gpt import train as tg
 from experiments.shelf.multiproc import run_processes
+from tests.trainer_flags import DATA, trainer_flags
 
-DATA = Path(__file__).parent / "testdata" / "shakespeare_small.txt"
-SMALL = [
-    "--d-model",
-    "32",
-    "--n-heads",
-    "2",
-    "--n-layers",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch",
-    "8",
-    "--bucket-size",
-    "64",
-    "--eval-batches",
-    "1",
-    "--data",
-    str(DATA),
-    "--steps",
-    "3",
-    "--eval-every",
-    "3",
-    "--no-fp32-ratio",
-    "--quiet",
-]
+SMALL = trainer_flags(
+    d_model=32, n_layers=2, seq_len=32, batch=8, steps=3, eval_every=3, no_fp32_ratio=True, quiet=True
+)
 
 
 def _losses(out: Path) -> list[float]:
@@ -173,7 +152,7 @@ def test_two_processes_stop_resume_and_overwrite_checkpoints(tmp_path):
     from qsdp_jax.checkpoint import Checkpointer
 
     argv = [
-        *SMALL[:-6],
+        *trainer_flags(d_model=32, n_layers=2, seq_len=32, batch=8),
         "--steps",
         "6",
         "--eval-every",
