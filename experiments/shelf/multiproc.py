@@ -217,6 +217,20 @@ def _describe(children: Sequence[_Child], failed: Sequence[_Child], header: str)
     return "\n".join(parts), tails
 
 
+def _error(
+    cls: type[WorkerError], children: Sequence[_Child], failed: Sequence[_Child], header: str, run_id: str
+) -> WorkerError:
+    """The ``cls`` error for a run whose ``failed`` children are described under ``header``."""
+    msg, tails = _describe(children, failed, header)
+    return cls(
+        msg,
+        returncodes={c.process_id: c.popen.returncode for c in children},
+        stderr_tails=tails,
+        pids=[c.popen.pid for c in children],
+        run_id=run_id,
+    )
+
+
 def run_processes(
     module: str,
     func: str,
@@ -302,6 +316,15 @@ def run_processes(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _worker_cmd(python, module, func, i, n, port, kwargs_path, timeout_s, run_id, netns) -> list[str]:
+    """The command line of worker ``i`` of ``n`` (inside ``netns`` when it is not None)."""
+    cmd = [python, "-m", "experiments.shelf.multiproc", "--worker", "--module", module, "--func", func]
+    cmd += ["--process-id", str(i), "--num-processes", str(n), "--port", str(port)]
+    cmd += ["--kwargs-file", str(kwargs_path), "--init-timeout", str(max(10, int(timeout_s)))]
+    cmd += ["--run-id", run_id, "--parent-pid", str(os.getpid())]
+    return cmd if netns is None else ["ip", "netns", "exec", netns, *cmd]
+
+
 def _run_once(
     module, func, n, kwargs_json, devices, ns_name, timeout_s, port, threads, extra_env, python
 ) -> list[dict]:
@@ -314,33 +337,8 @@ def _run_once(
         kwargs_path.write_text(kwargs_json)
         try:
             for i in range(n):
-                cmd = [
-                    python,
-                    "-m",
-                    "experiments.shelf.multiproc",
-                    "--worker",
-                    "--module",
-                    module,
-                    "--func",
-                    func,
-                    "--process-id",
-                    str(i),
-                    "--num-processes",
-                    str(n),
-                    "--port",
-                    str(port),
-                    "--kwargs-file",
-                    str(kwargs_path),
-                    "--init-timeout",
-                    str(max(10, int(timeout_s))),
-                    "--run-id",
-                    run_id,
-                    "--parent-pid",
-                    str(os.getpid()),
-                ]
                 ns_i = ns_name[i] if isinstance(ns_name, tuple) else ns_name
-                if ns_i is not None:
-                    cmd = ["ip", "netns", "exec", ns_i] + cmd
+                cmd = _worker_cmd(python, module, func, i, n, port, kwargs_path, timeout_s, run_id, ns_i)
                 out_p, err_p = tmpdir / f"p{i}.out", tmpdir / f"p{i}.err"
                 with open(out_p, "wb") as fo, open(err_p, "wb") as fe:
                     popen = subprocess.Popen(
@@ -355,7 +353,6 @@ def _run_once(
                 children.append(_Child(i, popen, out_p, err_p))
 
             deadline = time.monotonic() + timeout_s
-            pids = [c.popen.pid for c in children]
             while True:
                 rcs = [c.popen.poll() for c in children]
                 failed = [c for c, rc in zip(children, rcs) if rc not in (None, 0)]
@@ -363,36 +360,26 @@ def _run_once(
                     time.sleep(0.1)  # let near-simultaneous failures land, for a better report
                     failed = [c for c in children if c.popen.poll() not in (None, 0)]
                     _kill_all(children)
-                    msg, tails = _describe(
+                    raise _error(
+                        WorkerError,
                         children,
                         failed,
                         f"{len(failed)} of {n} worker(s) of {module}.{func} failed"
                         f" (netns={ns_name}, port={port}, run_id={run_id})",
-                    )
-                    raise WorkerError(
-                        msg,
-                        returncodes={c.process_id: c.popen.returncode for c in children},
-                        stderr_tails=tails,
-                        pids=pids,
-                        run_id=run_id,
+                        run_id,
                     )
                 if all(rc == 0 for rc in rcs):
                     break
                 if time.monotonic() > deadline:
                     live = [c for c in children if c.popen.poll() is None]
                     _kill_all(children)
-                    msg, tails = _describe(
+                    raise _error(
+                        WorkerTimeout,
                         children,
                         live,
                         f"timeout after {timeout_s}s: {len(live)} of {n} worker(s) of "
                         f"{module}.{func} still running (netns={ns_name}, port={port}, run_id={run_id})",
-                    )
-                    raise WorkerTimeout(
-                        msg,
-                        returncodes={c.process_id: c.popen.returncode for c in children},
-                        stderr_tails=tails,
-                        pids=pids,
-                        run_id=run_id,
+                        run_id,
                     )
                 time.sleep(_POLL_S)
 
@@ -403,18 +390,13 @@ def _run_once(
                 except (ValueError, json.JSONDecodeError) as e:
                     bad.append((c, e))
             if bad:
-                msg, tails = _describe(
+                raise _error(
+                    WorkerError,
                     children,
                     [c for c, _ in bad],
                     "worker(s) exited 0 without a valid result line: "
                     + "; ".join(f"p{c.process_id}: {e}" for c, e in bad),
-                )
-                raise WorkerError(
-                    msg,
-                    returncodes={c.process_id: c.popen.returncode for c in children},
-                    stderr_tails=tails,
-                    pids=pids,
-                    run_id=run_id,
+                    run_id,
                 )
             return results
         finally:

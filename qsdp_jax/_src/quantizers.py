@@ -44,11 +44,11 @@ import jax.numpy as jnp
 from jax import lax
 
 # counter-based randomness: its own module, re-exported here (``qz.hash_uniform``, ...)
-from qsdp_jax._src.randomness import GOLDEN, derive_key, hash_uniform, mix32  # noqa: F401
+from qsdp_jax._src.config_checks import STATS_DTYPES  # one definition: QSDPConfig checks the same names
+from qsdp_jax._src.randomness import GOLDEN, derive_key, hash_uniform, hash_uniform_rows, mix32  # noqa: F401
 
 QRounding = Literal["stochastic", "nearest", "shift"]
 ROUNDINGS = ("stochastic", "nearest", "shift")
-STATS_DTYPES = ("float32", "bfloat16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,8 +256,7 @@ def quantize(
     t = (xb - offsets[..., None]) * inv
     if rounding == "stochastic":
         assert key is not None  # checked above
-        counters = bucket_ids[..., None] * jnp.uint32(bucket) + jnp.arange(bucket, dtype=jnp.uint32)
-        u = hash_uniform(key, counters)
+        u = hash_uniform_rows(key, bucket_ids, bucket)
         q = jnp.floor(unfused(t, u) + u)
     else:
         q = jnp.round(t)
