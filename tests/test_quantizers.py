@@ -226,3 +226,13 @@ def test_qtensor_is_a_pytree():
     back = jax.tree_util.tree_unflatten(treedef, leaves)
     assert back.bits == 4 and back.bucket == BUCKET
     chex.assert_trees_all_equal(jax.jit(lambda q: q.dequantize())(qt), qt.dequantize())
+
+
+def test_hash_uniform_rows_is_hash_uniform_of_the_spread_counters():
+    """The key-first spreading (no key-free full-size counters for XLA to hoist out of a layer
+    loop) draws the same bits as hashing the element counters."""
+    ids = jnp.arange(37, dtype=jnp.uint32).reshape(1, 37) * jnp.uint32(3) + jnp.uint32(0xFFFFFF00)
+    for key in (jnp.uint32(0), qz.derive_key(7, 2, 5), jnp.uint32(0xFFFFFFFF)):
+        want = qz.hash_uniform(key, ids[..., None] * jnp.uint32(64) + jnp.arange(64, dtype=jnp.uint32))
+        got = qz.hash_uniform_rows(key, ids, 64)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
