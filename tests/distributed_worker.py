@@ -1,7 +1,10 @@
 """Child process for tests/test_distributed.py: start jax.distributed through
-qsdp_jax.distributed from QSDP_* environment variables, check it, print one JSON line."""
+qsdp_jax.distributed from QSDP_* environment variables, check it, write what it saw as JSON to
+``<dir>/result_<process id>.json`` (not stdout: gloo's C++ logging writes there too, and once
+landed inside the line)."""
 
 import json
+import os
 import sys
 
 from experiments.shelf.multiproc import _pin_gloo_to_loopback
@@ -20,9 +23,9 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 # a real cross-process collective: every process contributes its id + 1
 summed = multihost_utils.process_allgather(jnp.asarray([jax.process_index() + 1.0]))
-print(
-    "@@RESULT@@ "
-    + json.dumps(
+result = os.path.join(sys.argv[1], f"result_{jax.process_index()}.json")
+with open(result + ".tmp", "w") as f:
+    json.dump(
         {
             "source": info.source,
             "num_processes": info.num_processes,
@@ -34,8 +37,8 @@ print(
             "gathered": np.asarray(summed).ravel().tolist(),
             "is_main": distributed.is_main_process(),
             "log_path": str(log_path),
-        }
-    ),
-    flush=True,
-)
+        },
+        f,
+    )
+os.replace(result + ".tmp", result)  # whole or absent
 distributed.shutdown()

@@ -166,7 +166,7 @@ def test_two_processes_start_from_env(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    res = [json.loads(next(l for l in o.splitlines() if l.startswith("@@RESULT@@ "))[11:]) for o in outs]
+    res = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(2)]
     for i, r in enumerate(res):
         assert (r["source"], r["num_processes"], r["process_id"]) == ("explicit", 2, i)
         assert r["same"] and r["process_count"] == 2

@@ -18,8 +18,9 @@ devices - like the test suite - does not leak it).  The worker
   2. selects gloo CPU collectives and calls ``jax.distributed.initialize(
      coordinator_address="127.0.0.1:<port>", num_processes=N, process_id=i)``,
   3. calls ``func(**kwargs)``, which must return a JSON-serialisable dict
-     (numpy scalars/arrays are converted), and prints it as one line
-     ``@@QSDP_RESULT@@ {json}`` on stdout,
+     (numpy scalars/arrays are converted), and writes it as JSON to its result file (a file
+     of its own, not stdout: gloo's C++ logging writes to stdout from the same process at any
+     moment, and once landed inside a result printed there),
   4. shuts the distributed runtime down.
 
 The target module must not touch JAX devices at import time (initialize() must
@@ -27,7 +28,7 @@ come first).  Inside ``func`` the usual multi-controller rules apply: every
 process must issue the same collectives in the same order.
 
 The parent returns the dicts ordered by process id.  If any child exits non-zero
-(or without a result line), or the timeout passes, or the parent is interrupted
+(or without a result file), or the timeout passes, or the parent is interrupted
 (KeyboardInterrupt, SIGTERM), every child's process group is SIGKILLed and reaped
 before ``WorkerError`` (``WorkerTimeout`` on timeout) is raised with the stderr
 tail of the failed child(ren).  Workers also set PR_SET_PDEATHSIG=SIGKILL, so
@@ -58,14 +59,12 @@ from typing import Any
 from experiments.shelf.netns import raise_on_sigterm
 
 __all__ = [
-    "RESULT_MARKER",
     "WorkerError",
     "WorkerTimeout",
     "find_free_port",
     "run_processes",
 ]
 
-RESULT_MARKER = "@@QSDP_RESULT@@ "
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _TAIL_CHARS = 4000
 _POLL_S = 0.02
@@ -120,6 +119,7 @@ class _Child:
     popen: subprocess.Popen
     stdout_path: Path
     stderr_path: Path
+    result_path: Path
     killed: bool = False
 
     def read(self, which: str) -> str:
@@ -195,10 +195,11 @@ def _child_env(devices_per_process: int, threads: int, extra_env: Mapping[str, s
 
 
 def _parse_result(child: _Child) -> dict:
-    lines = [l for l in child.read("stdout").splitlines() if l.startswith(RESULT_MARKER)]
-    if len(lines) != 1:
-        raise ValueError(f"expected exactly one result line, found {len(lines)}")
-    return json.loads(lines[0][len(RESULT_MARKER) :])
+    try:
+        text = child.result_path.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"no result file {child.result_path.name}") from None
+    return json.loads(text)
 
 
 def _describe(children: Sequence[_Child], failed: Sequence[_Child], header: str) -> tuple[str, dict]:
@@ -316,11 +317,12 @@ def run_processes(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _worker_cmd(python, module, func, i, n, port, kwargs_path, timeout_s, run_id, netns) -> list[str]:
+def _worker_cmd(python, module, func, i, n, port, tmpdir, timeout_s, run_id, netns) -> list[str]:
     """The command line of worker ``i`` of ``n`` (inside ``netns`` when it is not None)."""
     cmd = [python, "-m", "experiments.shelf.multiproc", "--worker", "--module", module, "--func", func]
     cmd += ["--process-id", str(i), "--num-processes", str(n), "--port", str(port)]
-    cmd += ["--kwargs-file", str(kwargs_path), "--init-timeout", str(max(10, int(timeout_s)))]
+    cmd += ["--kwargs-file", str(tmpdir / "kwargs.json"), "--result-file", str(tmpdir / f"p{i}.result.json")]
+    cmd += ["--init-timeout", str(max(10, int(timeout_s)))]
     cmd += ["--run-id", run_id, "--parent-pid", str(os.getpid())]
     return cmd if netns is None else ["ip", "netns", "exec", netns, *cmd]
 
@@ -333,12 +335,11 @@ def _run_once(
     children: list[_Child] = []
     with tempfile.TemporaryDirectory(prefix=f"qsdp-mp-{run_id}-") as tmp, raise_on_sigterm():
         tmpdir = Path(tmp)
-        kwargs_path = tmpdir / "kwargs.json"
-        kwargs_path.write_text(kwargs_json)
+        (tmpdir / "kwargs.json").write_text(kwargs_json)
         try:
             for i in range(n):
                 ns_i = ns_name[i] if isinstance(ns_name, tuple) else ns_name
-                cmd = _worker_cmd(python, module, func, i, n, port, kwargs_path, timeout_s, run_id, ns_i)
+                cmd = _worker_cmd(python, module, func, i, n, port, tmpdir, timeout_s, run_id, ns_i)
                 out_p, err_p = tmpdir / f"p{i}.out", tmpdir / f"p{i}.err"
                 with open(out_p, "wb") as fo, open(err_p, "wb") as fe:
                     popen = subprocess.Popen(
@@ -350,7 +351,7 @@ def _run_once(
                         cwd=str(REPO_ROOT),
                         start_new_session=True,
                     )
-                children.append(_Child(i, popen, out_p, err_p))
+                children.append(_Child(i, popen, out_p, err_p, tmpdir / f"p{i}.result.json"))
 
             deadline = time.monotonic() + timeout_s
             while True:
@@ -394,8 +395,7 @@ def _run_once(
                     WorkerError,
                     children,
                     [c for c, _ in bad],
-                    "worker(s) exited 0 without a valid result line: "
-                    + "; ".join(f"p{c.process_id}: {e}" for c, e in bad),
+                    "worker(s) exited 0 without a valid result: " + "; ".join(f"p{c.process_id}: {e}" for c, e in bad),
                     run_id,
                 )
             return results
@@ -451,6 +451,7 @@ def _worker_main(argv: Sequence[str]) -> int:
     p.add_argument("--num-processes", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--kwargs-file", required=True)
+    p.add_argument("--result-file", required=True)
     p.add_argument("--init-timeout", type=int, default=120)
     p.add_argument("--run-id", default="")  # only for identifying our processes
     p.add_argument("--parent-pid", type=int, default=0)
@@ -497,8 +498,10 @@ def _worker_main(argv: Sequence[str]) -> int:
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)
-    sys.stdout.write("\n" + RESULT_MARKER + line + "\n")
-    sys.stdout.flush()
+    tmp = a.result_file + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(line)
+    os.replace(tmp, a.result_file)  # whole or absent
     jax.distributed.shutdown()
     return 0
 
