@@ -9,7 +9,7 @@ Where the settings come from, first match wins:
 1. Arguments (or a :class:`DistributedSettings`) and the ``QSDP_*`` environment variables:
    ``QSDP_COORDINATOR`` (``host:port`` of process 0), ``QSDP_NUM_PROCESSES``,
    ``QSDP_PROCESS_ID``, ``QSDP_LOCAL_DEVICE_IDS`` (``0,1,2,3``), ``QSDP_HEARTBEAT_TIMEOUT_S``,
-   ``QSDP_SHUTDOWN_TIMEOUT_S``, ``QSDP_INIT_TIMEOUT_S``. jax's own ``JAX_COORDINATOR_ADDRESS``
+   ``QSDP_SHUTDOWN_TIMEOUT_S``, ``QSDP_INIT_TIMEOUT_S``, ``QSDP_SERVICE_HELPER``. jax's own ``JAX_COORDINATOR_ADDRESS``
    counts as a coordinator too.
 2. A cluster JAX detects by itself (SLURM ``srun``, Open MPI ``mpirun``, Cloud TPU VMs / GKE):
    ``jax.distributed.initialize()`` fills in whatever is not given.
@@ -24,6 +24,10 @@ The variables are read and the clusters detected in :mod:`qsdp_jax._src.cluster_
 start to 60 s instead of 300 s: processes that do not all connect by then each say why (nothing
 listens at the coordinator's address, or not every process joined) and exit with status 69
 (:func:`qsdp_jax._src.peers.connect_guard`); a process 0 whose port is taken stops at once.
+Process 0 hosts JAX's coordination service in a helper process that outlives it
+(``service_helper``), so that its death does not abort the others from C++ before they can say
+why; :func:`shutdown` stops the helper, and without it the helper stops
+``heartbeat_timeout_s + 10`` s after process 0 exits.
 
 Then :func:`check_agreement` (every process has process 0's settings, or all raise naming the
 difference) and :func:`watch_peers` (a process that dies, freezes or exits early ends the others
@@ -41,7 +45,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from qsdp_jax._src import peers
+from qsdp_jax._src import peers, service_host
 from qsdp_jax._src.agreement import (  # noqa: F401  (part of this module's API)
     AgreementTimeout,
     SettingsMismatch,
@@ -56,6 +60,7 @@ from qsdp_jax._src.cluster_env import (  # noqa: F401  (the variables' names: pa
     ENV_LOCAL_DEVICE_IDS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    ENV_SERVICE_HELPER,
     ENV_SHUTDOWN,
     cluster_count,
     detect_cluster,
@@ -111,6 +116,13 @@ class DistributedSettings:
         :func:`qsdp_jax._src.peers.connect_guard`) and exits with status 69.
       cluster_detection: ``None`` (auto), a jax method name (``"slurm"``, ``"ompi"``,
         ``"gcetpu"``, ``"gketpu"``, ``"mpi4py"``, ``"k8s"``) or ``"deactivate"``.
+      service_helper: True (the default): process 0 hosts JAX's coordination service in a
+        helper process that outlives it (:mod:`qsdp_jax._src.service_host`), so that its death
+        reaches the others as missed heartbeats, after ``heartbeat_timeout_s``, and not as
+        JAX's immediate C++ abort; the peer monitor (:func:`watch_peers`) then ends them first,
+        with its message. False: jax's own arrangement (the service inside process 0). Used
+        where coordinator, process count and id are known before jax starts (given, or from
+        the ``QSDP_*`` variables); with a cluster JAX detects by itself, jax's arrangement.
 
     Raises:
       ValueError: an invalid field (the message names it, its value and what is allowed).
@@ -124,6 +136,7 @@ class DistributedSettings:
     shutdown_timeout_s: int = 30
     init_timeout_s: int = 60
     cluster_detection: str | None = None
+    service_helper: bool = True
 
     def __post_init__(self):
         if self.coordinator is not None:
@@ -143,6 +156,8 @@ class DistributedSettings:
             object.__setattr__(self, "local_device_ids", ids)
         for name in ("heartbeat_timeout_s", "shutdown_timeout_s", "init_timeout_s"):
             _check_int(name, getattr(self, name), minimum=1)
+        if not isinstance(self.service_helper, bool):
+            _fail("service_helper", self.service_helper, "True or False")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "DistributedSettings":
@@ -150,8 +165,9 @@ class DistributedSettings:
 
         ``QSDP_COORDINATOR`` (else ``JAX_COORDINATOR_ADDRESS``), ``QSDP_NUM_PROCESSES``,
         ``QSDP_PROCESS_ID``, ``QSDP_LOCAL_DEVICE_IDS`` (``0,1,2,3``),
-        ``QSDP_HEARTBEAT_TIMEOUT_S``, ``QSDP_SHUTDOWN_TIMEOUT_S``, ``QSDP_INIT_TIMEOUT_S``; an
-        unset or empty variable leaves its field at the default.
+        ``QSDP_HEARTBEAT_TIMEOUT_S``, ``QSDP_SHUTDOWN_TIMEOUT_S``, ``QSDP_INIT_TIMEOUT_S``,
+        ``QSDP_SERVICE_HELPER`` (``1``/``0``); an unset or empty variable leaves its field at
+        the default.
 
         Args:
           environ: the variables (default ``os.environ``).
@@ -199,6 +215,7 @@ class DistributedInfo:
 
 
 _STATE: dict[str, DistributedInfo | None] = {"info": None}
+_HOST: dict[str, service_host.ServiceHost | None] = {"host": None}
 
 
 def resolve(settings: DistributedSettings | None = None) -> DistributedInfo:
@@ -278,28 +295,60 @@ def initialize(settings: DistributedSettings | None = None, **kwargs) -> Distrib
             "qsdp_jax.distributed.initialize() must run before any other JAX call (jax.devices, "
             "jnp arrays, jit...): JAX's backends already exist in this process"
         )
-    known = False
+    known = None not in (plan.coordinator, plan.num_processes, plan.process_id)
     guard: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if plan.coordinator is not None and plan.num_processes is not None and plan.process_id is not None:
-        known = True
+    bind = None
+    if known:
+        assert plan.coordinator is not None and plan.num_processes is not None and plan.process_id is not None
         if plan.process_id == 0:
             peers.check_port_free(plan.coordinator)  # another process 0 (or program) is there
+            if settings.service_helper:
+                bind = _start_service_host(settings, plan.coordinator, plan.num_processes)
         guard = peers.connect_guard(plan.coordinator, plan.process_id, plan.num_processes, settings.init_timeout_s)
-    with guard:  # our message before jax's own timeout (a C++ abort that names nothing)
-        jax.distributed.initialize(
-            coordinator_address=settings.coordinator,
-            num_processes=settings.num_processes,
-            process_id=settings.process_id,
-            local_device_ids=list(settings.local_device_ids) if settings.local_device_ids else None,
-            cluster_detection_method=settings.cluster_detection,
-            initialization_timeout=settings.init_timeout_s + (30 if known else 0),
-            heartbeat_timeout_seconds=settings.heartbeat_timeout_s,
-            shutdown_timeout_seconds=settings.shutdown_timeout_s,
-        )
+    try:
+        with guard:  # our message before jax's own timeout (a C++ abort that names nothing)
+            jax.distributed.initialize(
+                coordinator_address=settings.coordinator,
+                num_processes=settings.num_processes,
+                process_id=settings.process_id,
+                local_device_ids=list(settings.local_device_ids) if settings.local_device_ids else None,
+                cluster_detection_method=settings.cluster_detection,
+                initialization_timeout=settings.init_timeout_s + (30 if known else 0),
+                heartbeat_timeout_seconds=settings.heartbeat_timeout_s,
+                shutdown_timeout_seconds=settings.shutdown_timeout_s,
+                coordinator_bind_address=bind,
+            )
+    except BaseException:
+        _stop_service_host()
+        raise
     info = _STATE["info"] = DistributedInfo(
         plan.source, jax.process_count(), jax.process_index(), settings.coordinator or plan.coordinator
     )
     return info
+
+
+def _start_service_host(settings: DistributedSettings, coordinator: str, num_processes: int) -> str:
+    """Start the service's helper process (``settings.service_helper``); returns the bind
+    address to give jax for process 0's own service, which no process connects to."""
+    import jax
+
+    port = peers.host_port(coordinator)[1]
+    _HOST["host"] = service_host.ServiceHost.start(
+        os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{port}",  # jax's default bind address
+        num_processes,
+        heartbeat_timeout_s=settings.heartbeat_timeout_s,
+        shutdown_timeout_s=settings.shutdown_timeout_s,
+        linger_s=settings.heartbeat_timeout_s + 10,
+        recoverable=bool(getattr(jax.config, "jax_enable_recoverability", False)),
+        ready_timeout_s=max(60.0, settings.init_timeout_s),  # its own start: under load, seconds
+    )
+    return "127.0.0.1:0"
+
+
+def _stop_service_host() -> None:
+    host, _HOST["host"] = _HOST["host"], None
+    if host is not None:
+        host.stop()
 
 
 def watch_peers(timeout_s: float = 10.0, **kwargs) -> "peers.PeerMonitor":
@@ -331,9 +380,12 @@ def shutdown() -> None:
     """Stop ``jax.distributed`` if it runs (waits up to the shutdown timeout for peers)."""
     import jax
 
-    if jax.distributed.is_initialized():
-        jax.distributed.shutdown()
-    _STATE["info"] = None
+    try:
+        if jax.distributed.is_initialized():
+            jax.distributed.shutdown()
+    finally:
+        _stop_service_host()  # every process is past jax's shutdown barrier (or it failed)
+        _STATE["info"] = None
 
 
 def _fail(field: str, value, allowed: str):

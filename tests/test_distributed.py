@@ -175,6 +175,7 @@ def test_two_processes_start_from_env(tmp_path):
         assert r["is_main"] == (i == 0)
         assert Path(r["log_path"]).name == f"process_00{i}.log"
         assert "hello from the main process" in Path(r["log_path"]).read_text()
+        assert r["helper_exit"] == (0 if i == 0 else None)  # process 0's service helper stopped
     # only process 0 prints progress
     assert "hello from the main process" in outs[0]
     assert "hello from the main process" not in outs[1]

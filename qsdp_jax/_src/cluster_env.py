@@ -19,6 +19,8 @@ ENV_LOCAL_DEVICE_IDS = "QSDP_LOCAL_DEVICE_IDS"
 ENV_HEARTBEAT = "QSDP_HEARTBEAT_TIMEOUT_S"
 ENV_SHUTDOWN = "QSDP_SHUTDOWN_TIMEOUT_S"
 ENV_INIT = "QSDP_INIT_TIMEOUT_S"
+ENV_SERVICE_HELPER = "QSDP_SERVICE_HELPER"
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 def settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -26,10 +28,11 @@ def settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
 
     Always ``coordinator`` (``QSDP_COORDINATOR``, else ``JAX_COORDINATOR_ADDRESS``),
     ``num_processes``, ``process_id`` and ``local_device_ids`` (None where unset or empty); the
-    timeouts only where their variable is set.
+    timeouts and ``service_helper`` only where their variable is set.
 
     Raises:
-      ValueError: a variable that is not an integer (a list of integers for the device ids).
+      ValueError: a variable that is not an integer (a list of integers for the device ids, a
+        boolean for ``QSDP_SERVICE_HELPER``).
     """
     fields: dict[str, Any] = dict(
         coordinator=env.get(ENV_COORDINATOR) or env.get("JAX_COORDINATOR_ADDRESS") or None,
@@ -45,6 +48,11 @@ def settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
         value = env_int(env, var)
         if value is not None:
             fields[name] = value
+    raw = env.get(ENV_SERVICE_HELPER, "").strip()
+    if raw:
+        if raw.lower() not in _BOOLS:
+            raise ValueError(f"environment variable {ENV_SERVICE_HELPER}={raw!r} is invalid: must be 1 or 0")
+        fields["service_helper"] = _BOOLS[raw.lower()]
     return fields
 
 

@@ -20,9 +20,12 @@ error to Python (nanobind ``std::bad_cast``, then ``std::terminate``). This modu
   silence of ``timeout_s`` means a frozen process or a lost network; process 0 tells the others,
   and every process prints which process is gone and exits with :data:`EXIT_PEER_LOST` (75:
   restart and resume). Set JAX's heartbeat timeout above ``timeout_s`` so this comes first.
-  When process 0 dies, JAX aborts the others at the same moment; the monitor's message and
-  exit status come first in practice (JAX's abort symbolises a stack trace first), not by
-  construction.
+  When process 0 dies, its coordination service lives on in its helper process
+  (:mod:`qsdp_jax._src.service_host`), so JAX sees the death only after its heartbeat timeout
+  too, and the monitor comes first by construction. With the service inside process 0
+  (``DistributedSettings(service_helper=False)``, or a cluster JAX detects by itself), JAX
+  aborts the others at the moment process 0 dies, and the monitor's message comes first only
+  in practice.
 
 A process that finishes calls :meth:`PeerMonitor.finish` (or leaves the ``with`` block) so that
 its exit is not taken for a death.
