@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 # The whole suite on 8 simulated CPU devices (tests/conftest.py sets them up).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # ruff's bug-finding rules, ruff's format check and mypy (pyproject.toml's [tool.ruff] and [tool.mypy] say which, and why).
 lint: $(STAMP)

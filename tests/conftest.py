@@ -25,7 +25,38 @@ def _has_platform(name: str) -> bool:
         return False
 
 
+# The slowest files first, slowest at the top (seconds in a serial run beside a CPU hog,
+# 2026-12-03, `--junitxml`): with `make test`'s `-n 2 --dist loadfile --no-loadscope-reorder`
+# each worker takes the next file when it is free, so a long file left for the end would keep
+# one worker busy while the other idles. xdist's own order (most tests first) put single-test
+# files such as test_kill_resume (121 s) last. The other files keep their order, after these.
+SLOWEST_FIRST = (
+    "test_trainer_cluster.py",  # 172 s
+    "test_bench_network.py",  # 155
+    "test_optax_matrix.py",  # 127
+    "test_kill_resume.py",  # 121
+    "test_multiproc_2level.py",  # 109
+    "test_kernels.py",  # 87
+    "test_resume_cli.py",  # 87
+    "test_bounded_failure.py",  # 80
+    "test_reference_bits.py",  # 67
+    "test_train.py",  # 66
+    "test_checkpoint.py",  # 60
+    "test_bit_policy.py",  # 59
+    "test_rotation.py",  # 58
+    "test_cluster_failures.py",  # 54
+    "test_nnx_gpt.py",  # 54
+    "test_checkpoint_safety.py",  # 53
+    "test_bytes.py",  # 45
+    "test_compact_stats.py",  # 45
+    "test_bench_comm.py",  # 45
+    "test_bench_memory.py",  # 42
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_tpu = pytest.mark.skip(reason="needs a TPU")
     for item in items:
