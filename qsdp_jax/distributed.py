@@ -295,11 +295,11 @@ def initialize(settings: DistributedSettings | None = None, **kwargs) -> Distrib
             "qsdp_jax.distributed.initialize() must run before any other JAX call (jax.devices, "
             "jnp arrays, jit...): JAX's backends already exist in this process"
         )
-    known = None not in (plan.coordinator, plan.num_processes, plan.process_id)
+    known = False
     guard: contextlib.AbstractContextManager = contextlib.nullcontext()
-    bind = None
-    if known:
-        assert plan.coordinator is not None and plan.num_processes is not None and plan.process_id is not None
+    bind = None  # jax's default bind address for process 0's service
+    if plan.coordinator is not None and plan.num_processes is not None and plan.process_id is not None:
+        known = True
         if plan.process_id == 0:
             peers.check_port_free(plan.coordinator)  # another process 0 (or program) is there
             if settings.service_helper:

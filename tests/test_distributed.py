@@ -13,26 +13,16 @@ import pytest
 from experiments.shelf.multiproc import find_free_port
 from qsdp_jax import distributed
 from qsdp_jax.distributed import DistributedInfo, DistributedSettings
+from tests.process_env import CLUSTER_VARS, process_env
 
 REPO = Path(__file__).resolve().parents[1]
-_CLUSTER_VARS = (
-    "SLURM_JOB_ID",
-    "SLURM_STEP_NODELIST",
-    "SLURM_NTASKS",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-    "SLURM_STEP_NUM_NODES",
-    "OMPI_MCA_orte_hnp_uri",
-    "KUBERNETES_SERVICE_HOST",
-    "JAX_COORDINATOR_ADDRESS",
-)
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
     """No QSDP_*, cluster or coordinator variables; a fresh idempotence state."""
     for var in list(os.environ):
-        if var.startswith("QSDP_") or var in _CLUSTER_VARS:
+        if var.startswith("QSDP_") or var in CLUSTER_VARS:
             monkeypatch.delenv(var)
     monkeypatch.setitem(distributed._STATE, "info", None)
     return monkeypatch
@@ -134,16 +124,7 @@ def test_multi_process_after_jax_started_is_refused(clean_env):
 def test_two_processes_start_from_env(tmp_path):
     """Two real processes, 4 CPU devices each, started only by QSDP_* variables."""
     port = find_free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QSDP_") and k not in _CLUSTER_VARS}
-    env.update(
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(REPO),
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        QSDP_COORDINATOR=f"127.0.0.1:{port}",
-        QSDP_NUM_PROCESSES="2",
-        QSDP_HEARTBEAT_TIMEOUT_S="5",
-        QSDP_INIT_TIMEOUT_S="60",
-    )
+    env = process_env(port, 4, num_processes="2", heartbeat_timeout_s="5", init_timeout_s="60")
     procs = [
         subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "distributed_worker.py"), str(tmp_path)],

@@ -5,7 +5,6 @@ Two real processes with 1 simulated CPU device each, started by QSDP_* variables
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -18,8 +17,8 @@ import pytest
 from experiments.shelf.multiproc import find_free_port
 from qsdp_jax import distributed
 from qsdp_jax._src.service_host import ServiceHost
+from tests.process_env import REPO, process_env
 
-REPO = Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 3
 # the library's own start, no peer monitor: what is left is JAX's reaction to process 0's death
 IDLE = """
@@ -35,16 +34,13 @@ while True:
 
 def _start_pair(tmp_path: Path, helper: bool) -> list[subprocess.Popen]:
     port = find_free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("QSDP_", "SLURM_", "OMPI_"))}
-    env.update(
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(REPO),
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",
-        QSDP_COORDINATOR=f"127.0.0.1:{port}",
-        QSDP_NUM_PROCESSES="2",
-        QSDP_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_S),
-        QSDP_INIT_TIMEOUT_S="60",
-        QSDP_SERVICE_HELPER="1" if helper else "0",
+    env = process_env(
+        port,
+        1,
+        num_processes="2",
+        heartbeat_timeout_s=str(HEARTBEAT_S),
+        init_timeout_s="60",
+        service_helper="1" if helper else "0",
     )
     return [
         subprocess.Popen(
