@@ -1,6 +1,7 @@
 """qsdp_jax.optim on one device: grid projection, convergence vs plain adam, guards."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -170,13 +171,16 @@ def test_projection_lands_on_the_grid_and_is_unbiased(rounding, bits):
     opt = optim.qsdp(optax.sgd(0.01), cfg)
     start = opt.init(p)
 
+    # p, g and the state are arguments, not closure constants: with constants XLA folds the
+    # scales into the program, proves them non-negative and drops the select that keeps
+    # `lo - xi * s` from becoming an FMA in one fusion and not in another (seen at O0)
     @jax.jit
-    @jax.vmap
-    def project(count):
+    @functools.partial(jax.vmap, in_axes=(0, None, None, None))
+    def project(count, p, g, start):
         u, st = opt.update(g, dataclasses.replace(start, count=count), p)
         return optim.apply_updates(p, u, st, cfg)["w"], st.scales["w"], st.offsets["w"]
 
-    outs, scales, offsets = (np.asarray(a) for a in project(jnp.arange(n, dtype=jnp.int32)))
+    outs, scales, offsets = (np.asarray(a) for a in project(jnp.arange(n, dtype=jnp.int32), p, g, start))
     for k in (0, n // 2, n - 1):
         assert _on_grid(outs[k], scales[k], offsets[k], bits)
     intervals = 2**bits - 2 if rounding == "shift" else 2**bits - 1

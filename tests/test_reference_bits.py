@@ -12,6 +12,7 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
@@ -19,6 +20,7 @@ from qsdp_jax import collectives as qc
 from qsdp_jax._src import quantizers as qz
 
 CHUNKS = 8
+pytestmark = pytest.mark.optimized  # the digests were computed with XLA's default optimizations
 BUCKETS = (64, 1024, 4096)  # the smallest, the default and the largest bucket the tests use
 
 

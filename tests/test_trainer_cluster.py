@@ -24,6 +24,7 @@ def _losses(out: Path) -> list[float]:
 TWO_LEVEL = ["--weight-bits", "8", "--grad-bits", "8", "--mesh", "node=2,local=4", "--inter-grad-bits", "4"]
 
 
+@pytest.mark.optimized  # step 1 bitwise holds with XLA's defaults, not at the suite's O0 (1e-7 off)
 def test_two_processes_match_one(tmp_path):
     """QSDP W8G8 (4-bit gradients across nodes) on a ("node", "local") = 2 x 4 mesh: 2 processes x
     4 devices train to the losses of 1 process x 8 devices, each process drawing only its own
