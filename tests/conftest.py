@@ -60,6 +60,9 @@ SLOWEST_FIRST = (
 )
 
 
+SUITE_O0 = jax.config.values["jax_disable_most_optimizations"]  # as the environment set it at import
+
+
 @pytest.fixture(autouse=True)
 def _xla_optimizations(request):
     """XLA's default optimizations for tests marked ``optimized`` (and the processes they start),
@@ -68,15 +71,12 @@ def _xla_optimizations(request):
     The flag is read at each compile but is not part of jit's in-memory cache key, so the caches
     are cleared when it changes (rarely: the marked tests sit together in their files).
     """
-    want_off = _SUITE_O0 and request.node.get_closest_marker("optimized") is None
+    want_off = SUITE_O0 and request.node.get_closest_marker("optimized") is None
     if jax.config.values["jax_disable_most_optimizations"] != want_off:
         jax.config.update("jax_disable_most_optimizations", want_off)
         os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if want_off else "0"  # and its subprocesses
         jax.clear_caches()
     yield
-
-
-_SUITE_O0 = jax.config.values["jax_disable_most_optimizations"]  # as the environment set it at import
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,16 +2,14 @@
 would silently drop out of it and run last again), and the suite's O0 compile is switched back
 to XLA's defaults for the tests marked ``optimized``, and only for them."""
 
-import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from tests.conftest import SLOWEST_FIRST
+from tests.conftest import SLOWEST_FIRST, SUITE_O0
 
-SUITE_O0 = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1"
 SEEN: dict[str, str] = {}
 
 
