@@ -21,8 +21,9 @@ step runs the module in training mode and the eval step in eval mode (as ``model
 ``model.eval()`` set them) whatever mode the module is in; ``mode=None`` runs it as it was when
 the step was built.
 
-The parameter groups (the unit of one gather), the layer stacks and the model state come from
-the module tree (``qsdp_jax._src.nnx_tree``; ``describe(model).groups`` lists what was found). The
+The parameter groups (the unit of one gather), the layer stacks (nested ones included, e.g.
+``"trunk/layers"``) and the model state come from the module tree
+(``qsdp_jax._src.nnx_tree``; ``describe(model).groups`` lists what was found). The
 step is ``qsdp_jax.make_train_step`` with a loss that merges the module from its cached
 ``GraphDef`` with parameters gathered on first read (``qsdp_jax._src.nnx_scan``). Layer stacks are gathered one layer at a time where the forward
 scans them with :func:`scan` (the ``nnx.scan`` drop-in); read any other way a stack is
@@ -84,8 +85,9 @@ def init_state(
       mesh: the mesh the steps run on.
       config: the run's config.
       stacked: the layer-stack groups, where the automatic rule (``qsdp_jax._src.nnx_tree``)
-        guesses wrong; pass the same to :func:`make_train_step`. None (the default): the
-        automatic rule.
+        guesses wrong: top-level group names or paths of nested sub-modules
+        (``"trunk/layers"``); pass the same to :func:`make_train_step`. None (the default):
+        the automatic rule, which also finds stacks nested below the top level.
 
     Returns:
       The :class:`qsdp_jax.TrainState` at step 0, its ``model_state`` the module's

@@ -4,14 +4,19 @@ its non-parameter state.
 * **Groups** (the unit of one gather): every top-level attribute of the module that holds
   parameters, and every entry of a top-level ``nnx.List`` / ``nnx.Dict`` (named ``"blocks/0"``,
   ``"layers/attn"``, ...). A group's parameters are its ``nnx.to_pure_dict`` nested dict.
-* **Layer stacks**: a group is a stack of layers (as ``nnx.vmap`` + ``nnx.split_rngs`` make
-  them) when it holds at least two parameters, every parameter has at least two dimensions and
-  every variable in it (parameters, batch statistics, RNG keys and counts) shares one leading
-  size, the layer count, and no flax layer in it (``nnx.Linear``, ``nnx.Embed``, the norms)
-  holds a parameter of exactly its declared shape (an ``nnx.Embed`` table next to a position
-  table of the same length is not a stack). An unstacked module almost always has a 1-D
-  parameter (a bias, a norm scale) or parameters of different leading sizes; name the stacks
-  yourself (``stacked=``) where the rule guesses wrong.
+* **Layer stacks** (the rule of :mod:`qsdp_jax._src.nnx_stacks`): a group is a stack of layers
+  (as ``nnx.vmap`` + ``nnx.split_rngs`` make them) when it holds at least two parameters, every
+  parameter has at least two dimensions and every variable in it (parameters, batch
+  statistics, RNG keys and counts) shares one leading size, the layer count, and no flax layer
+  in it (``nnx.Linear``, ``nnx.Embed``, the norms) holds a parameter of exactly its declared
+  shape (an ``nnx.Embed`` table next to a position table of the same length is not a stack).
+  An unstacked module almost always has a 1-D parameter (a bias, a norm scale) or parameters
+  of different leading sizes; name the stacks yourself (``stacked=``) where the rule guesses
+  wrong.
+* **Nested stacks**: inside a top-level group that is no stack, a sub-module that is one (with
+  a flax layer showing the layer axis, or named in ``stacked=`` by its path, e.g.
+  ``"trunk/layers"``) is a group of its own; the top-level group keeps the rest. A variable
+  belongs to the group with the longest path it starts with (:meth:`ModelDef.group_of`).
 * **Model state**: every variable that is not an ``nnx.Param``, as a flat dict
   ``{"a/b/c": array}``: batch statistics and counters (updated by the step), RNG keys (kept as
   raw key data, so the state holds plain arrays) and RNG counts.
@@ -23,11 +28,14 @@ its non-parameter state.
 from __future__ import annotations
 
 import dataclasses
-from typing import AbstractSet, Any, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from qsdp_jax._src.nnx_stacks import CONTAINERS, declared_evidence, layer_count, nested_candidates, nested_stacks
+from qsdp_jax._src.nnx_stacks import node_at, under
 
 PyTree = Any
 Path = tuple
@@ -85,10 +93,13 @@ class ModelDef:
         return tuple(g.name for g in self.groups if g.stacked)
 
     def group_of(self, path: Path) -> Group | None:
+        """The group holding the variable at ``path``: the longest group path it starts with
+        (a stack nested in a group belongs to the stack)."""
+        best = None
         for g in self.groups:
-            if path[: len(g.path)] == g.path:
-                return g
-        return None
+            if path[: len(g.path)] == g.path and (best is None or len(g.path) > len(best.path)):
+                best = g
+        return best
 
 
 def _spec(path: Path, var: nnx.Variable) -> VarSpec:
@@ -122,95 +133,61 @@ def describe(model: nnx.Module, stacked: Sequence[str] | None = None) -> ModelDe
             f"{type(model).__name__} has no nnx.Param: there is nothing to shard or train "
             "(parameters must be nnx.Param variables, e.g. those of nnx.Linear)"
         )
-    prefixes = []
-    for spec in pspecs:
-        head = spec.path[:1]
-        container = getattr(model, str(head[0]), None) if not isinstance(head[0], int) else None
-        if len(spec.path) > 1 and isinstance(container, (nnx.List, nnx.Dict, list, tuple, dict)):
-            head = spec.path[:2]
-        if head not in prefixes:
-            prefixes.append(head)
-    names = {path_str(p): p for p in prefixes}
-    if stacked is not None:
-        unknown = sorted(set(stacked) - set(names))
+    top = _top_prefixes(model, pspecs)
+    named = None if stacked is None else set(stacked)
+    top_stacks = [t for t in top if _is_stack(model, pspecs, ospecs, t, named)]
+    candidates = {path_str(c): c for c in nested_candidates(pspecs, [t for t in top if t not in top_stacks])}
+    if named is not None:
+        unknown = sorted(named - {path_str(t) for t in top} - set(candidates))
         if unknown:
-            raise ValueError(f"stacked groups {unknown} are not groups of the module (groups: {sorted(names)})")
+            raise ValueError(
+                f"stacked groups {unknown} are not groups or sub-modules of the module "
+                f"(groups: {sorted(path_str(t) for t in top)})"
+            )
+    named_nested = None if named is None else {candidates[n] for n in named if n in candidates}
+    nested = nested_stacks(model, pspecs, ospecs, [t for t in top if t not in top_stacks], named_nested)
     groups: list[Group] = []
     layer_defs: dict[str, tuple[Any, dict[Path, VarSpec]]] = {}
-    for name, prefix in sorted(names.items()):
-        p_in, o_in = _under(pspecs, prefix), _under(ospecs, prefix)
-        n = _layer_count(p_in, o_in, _declared_evidence(_submodule(model, prefix)))
-        is_stacked = (n is not None) if stacked is None else name in stacked
-        if is_stacked and n is None:
+    for prefix in sorted(top + nested, key=path_str):
+        inner = [c for c in nested if c != prefix and c[: len(prefix)] == prefix]
+        p_in, o_in = under(pspecs, prefix, inner), under(ospecs, prefix, inner)
+        if not p_in:  # every parameter of it sits in a nested stack
+            continue
+        is_stacked = prefix in nested or prefix in top_stacks
+        n = layer_count(p_in, o_in, declared_evidence(node_at(model, prefix))) if not inner else None
+        if is_stacked and n is None and named is not None:
             raise ValueError(
-                f"group {name!r} is named in stacked= but its variables do not share one leading "
-                f"(layer) axis: shapes {[s.shape for s in p_in + o_in]}"
+                f"group {path_str(prefix)!r} is named in stacked= but its variables do not share one "
+                f"leading (layer) axis: shapes {[s.shape for s in p_in + o_in]}"
             )
-        groups.append(Group(name, prefix, is_stacked, n if is_stacked and n is not None else 0))
+        groups.append(Group(path_str(prefix), prefix, is_stacked, n if is_stacked and n is not None else 0))
         if is_stacked:
-            layer_defs[name] = _layer_def(_submodule(model, prefix), prefix)
+            layer_defs[path_str(prefix)] = _layer_def(node_at(model, prefix), prefix)
     return ModelDef(graphdef, tuple(groups), pspecs, ospecs, layer_defs)
 
 
-def _declared_evidence(node) -> set[int | None]:
-    """What flax's own layers in ``node`` say: their parameters' declared shapes against the
-    actual ones. ``{None}``: a layer holds exactly its declared shape (not a stack); ``{n}``:
-    an extra leading axis of ``n`` (a stack). Empty when ``node`` holds no such layer."""
-    if not isinstance(node, nnx.Module):
-        return set()
-    evidence: set[int | None] = set()
-    for _, m in nnx.iter_modules(node):
-        for name, declared in _declared_shapes(m).items():
-            var = getattr(m, name, None)
-            if not isinstance(var, nnx.Variable):
-                continue
-            shape = tuple(jnp.shape(var.get_raw_value()))
-            if shape == declared:
-                evidence.add(None)
-            elif shape[1:] == declared:
-                evidence.add(shape[0])
-    return evidence
+def _top_prefixes(model, pspecs) -> list[Path]:
+    """The top-level groups: attributes holding parameters, entries of top-level containers."""
+    prefixes: list[Path] = []
+    for spec in pspecs:
+        head = spec.path[:1]
+        container = getattr(model, str(head[0]), None) if not isinstance(head[0], int) else None
+        if len(spec.path) > 1 and isinstance(container, CONTAINERS):
+            head = spec.path[:2]
+        if head not in prefixes:
+            prefixes.append(head)
+    return prefixes
 
 
-def _declared_shapes(m) -> dict[str, tuple]:
-    if type(m) is nnx.Linear:
-        return {"kernel": (m.in_features, m.out_features), "bias": (m.out_features,)}
-    if type(m) is nnx.Embed:
-        return {"embedding": (m.num_embeddings, m.features)}
-    if type(m) in (nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm) and isinstance(m.num_features, int):
-        return {k: (m.num_features,) for k in ("scale", "bias", "mean", "var")}
-    return {}
+def _is_stack(model, pspecs, ospecs, prefix: Path, named) -> bool:
+    """A top-level group is a stack: named in ``stacked=``, or by the rule when none is given."""
+    if named is not None:
+        return path_str(prefix) in named
+    p_in, o_in = under(pspecs, prefix), under(ospecs, prefix)
+    return layer_count(p_in, o_in, declared_evidence(node_at(model, prefix))) is not None
 
 
-def _layer_count(
-    params: list[VarSpec], others: list[VarSpec], evidence: AbstractSet[int | None] = frozenset()
-) -> int | None:
-    """The layer count if these variables look like a layer stack (see module docstring)."""
-    if None in evidence or len(evidence) > 1:
-        return None
-    if len(params) < 2 or any(len(s.shape) < 2 for s in params):
-        return None
-    if any(len(s.shape) < 1 for s in others):
-        return None
-    leading = {s.shape[0] for s in params + others}
-    return leading.pop() if len(leading) == 1 else None
-
-
-def _submodule(model, path: Path):
-    node = model
-    for k in path:
-        node = node[k] if isinstance(node, (nnx.List, nnx.Dict, list, tuple, dict)) else getattr(node, str(k))
-    return node
-
-
-def _under(specs: Sequence[VarSpec], prefix: Path) -> list[VarSpec]:
-    """The specs whose path starts with ``prefix``."""
-    return [s for s in specs if s.path[: len(prefix)] == prefix]
-
-
-def submodule(model, path: Path):
-    """The node at ``path`` in ``model`` (attributes, ``nnx.List`` / ``nnx.Dict`` entries)."""
-    return _submodule(model, path)
+submodule = node_at  # the node at a path (attributes, nnx.List / nnx.Dict entries)
 
 
 def _layer_def(stack: nnx.Module, prefix: Path) -> tuple[Any, dict[Path, VarSpec]]:
@@ -229,13 +206,18 @@ def _layer_def(stack: nnx.Module, prefix: Path) -> tuple[Any, dict[Path, VarSpec
 def group_params(model: nnx.Module, mdef: ModelDef) -> dict[str, PyTree]:
     """``{group name: nested pure dict of the group's parameters}`` (a bare parameter: the
     array itself): the parameter dict the low-level API (``init_train_state``) takes."""
-    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    out = {}
-    for g in mdef.groups:
-        node = pure
-        for k in g.path:
-            node = node[k]
-        out[g.name] = node
+    out: dict[str, PyTree] = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        g = mdef.group_of(tuple(path))
+        assert g is not None  # describe() made a group of every parameter's path prefix
+        rel = tuple(path)[len(g.path) :]
+        if not rel:  # a bare parameter
+            out[g.name] = var.get_raw_value()
+            continue
+        node = out.setdefault(g.name, {})
+        for k in rel[:-1]:
+            node = node.setdefault(k, {})
+        node[rel[-1]] = var.get_raw_value()
     return out
 
 

@@ -1,0 +1,132 @@
+"""Layer stacks nested below the top level of an NNX module (``self.trunk.layers``): found by the
+front door, gathered one layer at a time by the drop-in scan, trained as on one device."""
+
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import qsdp_jax as q
+from qsdp_jax import comm
+from qsdp_jax import nnx as qnnx
+from qsdp_jax._src.nnx_tree import describe, group_params
+from tests.test_nnx import Block, _params, _reference, _sharded, _stacked_batch, mse
+
+CFG = q.QSDPConfig.fp32(bucket_size=64, min_shard_size=128)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return q.make_mesh()
+
+
+class Trunk(nnx.Module):
+    """A stack of Blocks (nnx.split_rngs + nnx.vmap) and a final norm, one level down."""
+
+    def __init__(self, rngs, d, n_layers, scan):
+        @nnx.split_rngs(splits=n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Block(d, rngs)
+
+        self.layers = make(rngs)
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.scan = scan
+
+    def __call__(self, x):
+        @self.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def run(x, block):
+            return block(x)
+
+        return self.norm(run(x, self.layers))
+
+
+class Nested(nnx.Module):
+    def __init__(self, rngs, d=32, n_layers=3, scan=qnnx.scan):
+        self.inp = nnx.Linear(4, d, rngs=rngs)
+        self.trunk = Trunk(rngs, d, n_layers, scan)
+        self.out = nnx.Linear(d, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.trunk(self.inp(x)))[:, 0]
+
+
+class RawStack(nnx.Module):
+    """Two raw nnx.Param tensors with a shared leading axis: no flax layer to vouch for a stack."""
+
+    def __init__(self, rngs):
+        self.inner = nnx.Module()
+        self.inner.w = nnx.Param(jax.random.normal(rngs.params(), (3, 8, 8)))
+        self.inner.v = nnx.Param(jax.random.normal(rngs.params(), (3, 8, 4)))
+        self.bias = nnx.Param(jnp.zeros(4))
+
+
+def _groups(model, stacked=None):
+    return {g.name: (g.stacked, g.n_layers) for g in describe(model, stacked).groups}
+
+
+def test_a_stack_one_and_two_levels_down_is_its_own_group():
+    assert _groups(Nested(nnx.Rngs(0))) == {
+        "inp": (False, 0),
+        "out": (False, 0),
+        "trunk": (False, 0),  # the norm: what the trunk holds outside its stack
+        "trunk/layers": (True, 3),
+    }
+    model = Nested(nnx.Rngs(0))
+    model.enc = nnx.Module()
+    model.enc.proj = nnx.Linear(32, 32, rngs=nnx.Rngs(1))
+    model.enc.body = Trunk(nnx.Rngs(1), 32, 2, qnnx.scan)
+    groups = _groups(model)
+    assert groups["enc/body/layers"] == (True, 2) and groups["enc"] == (False, 0) and "enc/body" not in groups
+    params = group_params(model, describe(model))
+    assert set(params["trunk"]) == {"norm"}  # the nested stack's parameters are not in it twice
+    assert set(params["enc"]) == {"proj", "body"} and set(params["enc"]["body"]) == {"norm"}
+    assert params["trunk/layers"]["lin"]["kernel"].shape == (3, 32, 32)
+    model.enc.proj = model.enc.body.norm = None  # a group holding only a stack: the top-level rule
+    assert _groups(model)["enc"] == (True, 2) and "enc/body/layers" not in _groups(model)
+
+
+def test_raw_parameter_stacks_are_found_only_when_named():
+    model = RawStack(nnx.Rngs(0))
+    model.holder = nnx.Module()
+    model.holder.stack = model.inner
+    model.holder.scale = nnx.Param(jnp.ones(8))  # so the holder is no stack itself
+    del model.inner
+    assert _groups(model) == {"bias": (False, 0), "holder": (False, 0)}
+    want = {"bias": (False, 0), "holder": (False, 0), "holder/stack": (True, 3)}
+    assert _groups(model, ["holder/stack"]) == want
+    with pytest.raises(ValueError, match=r"\['holder/nope'\] are not groups or sub-modules"):
+        describe(model, ["holder/nope"])
+    with pytest.raises(ValueError, match=r"'bias' is named in stacked="):
+        describe(model, ["bias"])
+
+
+def test_nested_stack_matches_one_device_and_gathers_per_layer(mesh):
+    batches = [_stacked_batch(i) for i in range(3)]
+    model = Nested(nnx.Rngs(0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*gathered whole")  # none with the drop-in
+        losses, state, step, compiled = _sharded(model, mse, batches, mesh, CFG, 1e-2)
+    ref = Nested(nnx.Rngs(0))
+    np.testing.assert_allclose(losses, _reference(ref, mse, batches, 1e-2), rtol=1e-5)
+    qnnx.update(model, state)
+    chex.assert_trees_all_close(_params(model), _params(ref), rtol=1e-5, atol=1e-6)
+    report = comm.comm_report(compiled)  # forward and backward loops: one layer per iteration
+    one_layer = 4 * state.layout.group("trunk/layers").flat_size
+    loops = [c for c in report.collectives if c.kind == "all-gather" and c.count == 3]
+    assert len(loops) == 2 and all(c.payload_bytes == one_layer for c in loops)
+    assert "trunk/layers          3  per layer" in step.summary(state, batches[0])
+
+
+def test_nested_stack_read_with_plain_nnx_scan_is_gathered_whole_and_says_so(mesh):
+    batches = [_stacked_batch(0)]
+    model = Nested(nnx.Rngs(0), scan=nnx.scan)
+    with pytest.warns(UserWarning, match=r"\['trunk/layers'\] are gathered whole"):
+        losses, state, step, _ = _sharded(model, mse, batches, mesh, CFG, 1e-2)
+    np.testing.assert_allclose(losses, _reference(Nested(nnx.Rngs(0)), mse, batches, 1e-2), rtol=1e-5)
+    assert "whole stack:" in step.summary(state, batches[0])
