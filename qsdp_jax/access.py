@@ -5,8 +5,9 @@ A model's loss function is written once against :class:`ParamAccess` and receive
 * :class:`LocalParams` when it runs on one device on the plain parameter pytree (the reference,
   evaluation, a notebook), or
 * ``qsdp_jax.train.ShardedParams`` inside the sharded train step, where ``gather`` performs the
-  (quantized) all-gather of a group's weights and ``scan`` gathers one layer at a time inside a
-  ``lax.scan`` so that peak memory holds a single layer's full weights.
+  (quantized) all-gather of a group's weights, ``call`` gathers them for one function call and
+  again in its backward pass, and ``scan`` gathers one layer at a time inside a ``lax.scan``, so
+  that peak memory holds a single layer's full weights.
 
 Parameters are a dict of *groups*: ``{"embed": {...}, "blocks": {...}, ...}``. A group named in
 ``stacked`` holds layer-stacked leaves whose leading axis is the layer index.
@@ -43,6 +44,29 @@ class ParamAccess(Protocol):
 
         Returns:
           The group's pytree, every leaf at its full shape.
+
+        Raises:
+          KeyError: no group of that name.
+          ValueError: (sharded step) the group is layer-stacked: read it with :meth:`scan`.
+        """
+        ...
+
+    def call(self, group: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(gather(group), *args)``, the group's weights freed after the call.
+
+        In the sharded step the group is gathered for the call and gathered again in the
+        backward pass, which re-runs ``fn`` to take its gradient (PyTorch FSDP2's
+        ``reshard_after_forward``): peak memory holds one or two called groups' weights
+        however many there are, for a second all-gather of each. :meth:`gather` keeps the
+        weights alive until the backward pass instead.
+
+        Args:
+          group: a non-stacked group's name.
+          fn: ``fn(group_params, *args) -> pytree of arrays``, a pure function.
+          *args: its other inputs: pytrees of arrays (close over anything else).
+
+        Returns:
+          What ``fn`` returns.
 
         Raises:
           KeyError: no group of that name.
@@ -113,6 +137,22 @@ class LocalParams:
           KeyError: no group of that name.
         """
         return self._params[_check_group(self._params, group)]
+
+    def call(self, group: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(gather(group), *args)`` (nothing to free on one device).
+
+        Args:
+          group: the group's name.
+          fn: ``fn(group_params, *args)``.
+          *args: its other inputs.
+
+        Returns:
+          What ``fn`` returns.
+
+        Raises:
+          KeyError: no group of that name.
+        """
+        return fn(self.gather(group), *args)
 
     def scan(self, group, body, init, xs=None, *, remat=True):
         """``lax.scan`` of ``body`` over the leading (layer) axis of ``group``'s leaves.

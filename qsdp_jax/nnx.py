@@ -25,9 +25,13 @@ The parameter groups (the unit of one gather), the layer stacks (nested ones inc
 ``"trunk/layers"``) and the model state come from the module tree
 (``qsdp_jax._src.nnx_tree``; ``describe(model).groups`` lists what was found). The
 step is ``qsdp_jax.make_train_step`` with a loss that merges the module from its cached
-``GraphDef`` with parameters gathered on first read (``qsdp_jax._src.nnx_scan``). Layer stacks are gathered one layer at a time where the forward
-scans them with :func:`scan` (the ``nnx.scan`` drop-in); read any other way a stack is
-gathered whole, with a warning, and ``step.summary(state, batch)`` states the memory this costs.
+``GraphDef`` with parameters gathered on first read (``qsdp_jax._src.nnx_scan``). Layer stacks
+are gathered one layer at a time where the forward scans them with :func:`scan` (the
+``nnx.scan`` drop-in); read any other way a stack is gathered whole, with a warning, and
+``step.summary(state, batch)`` states the memory this costs. A group that is a module called
+through its ``__call__`` (a block of an ``nnx.List`` in a Python loop) is gathered for the call
+and gathered again in the backward pass (``reshard_after_forward``, PyTorch FSDP2's; the rules
+in ``qsdp_jax._src.nnx_reshard``), so a list of blocks holds about one block's weights too.
 
 RNG streams: every ``nnx.RngKey`` is folded with the step and the device index inside the step,
 so a dropout mask is a pure function of (seed, step, device, the call's position) and a resumed
@@ -159,6 +163,7 @@ class TrainStep:
       stacked: the layer-stack groups, or None for the automatic rule.
       mode: ``"train"``, ``"eval"`` or None (see :func:`make_train_step`).
       evaluate: an eval step (:func:`make_eval_step`) instead of a train step.
+      reshard_after_forward: see :func:`make_train_step`.
 
     Raises:
       TypeError: ``config`` is not a ``QSDPConfig``, ``loss_fn`` not callable, ``model`` not an
@@ -168,7 +173,20 @@ class TrainStep:
     """
 
     def __init__(
-        self, model, loss_fn, optimizer, mesh, config, *, has_aux, aux_out_spec, donate, stacked, mode, evaluate=False
+        self,
+        model,
+        loss_fn,
+        optimizer,
+        mesh,
+        config,
+        *,
+        has_aux,
+        aux_out_spec,
+        donate,
+        stacked,
+        mode,
+        evaluate=False,
+        reshard_after_forward=True,
     ):
         if not isinstance(config, QSDPConfig):
             raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
@@ -181,6 +199,7 @@ class TrainStep:
         self.n = mesh_sizes(mesh, config)[1]  # every device: the batch is split over all
         self.loss_fn, self.optimizer, self.mesh, self.config = loss_fn, optimizer, mesh, config
         self.has_aux, self.aux_out_spec, self.evaluate = has_aux, aux_out_spec, evaluate
+        self.reshard_after_forward = reshard_after_forward
         self.record: dict[str, str] = {}
         self._jitted = jax.jit(self._step, donate_argnums=(0,) if donate and not evaluate else ())
 
@@ -212,7 +231,20 @@ class TrainStep:
     def _loss(self, access, xbatch):
         batch = xbatch["batch"]
         extra = jax.tree.map(lambda x: x[0], xbatch["extra"])
-        ctx = StepContext(access, self.mdef, self.config.batch_axes, self.record)
+        held: frozenset[str] = frozenset()
+        if self.reshard_after_forward and not self.evaluate:
+            # a first, abstract trace finds the groups the loss also reads outside their own
+            # __call__ (a tied embedding's attend): those are gathered once and held, as
+            # resharding them would gather them twice in the forward pass
+            probe: dict[str, str] = {}
+            jax.eval_shape(lambda: self._traced_loss(access.fresh(), batch, extra, probe, frozenset()))
+            held = frozenset(name for name, how in probe.items() if how == "whole")
+        return self._traced_loss(access, batch, extra, self.record, held)
+
+    def _traced_loss(self, access, batch, extra, record: dict, held):
+        """The loss on the module built for this trace; ``held``: groups not resharded."""
+        reshard = self.reshard_after_forward and not self.evaluate
+        ctx = StepContext(access, self.mdef, self.config.batch_axes, record, reshard, held)
         with ctx.active():
             module = ctx.build(extra["state"], extra["step"])
             out = self.loss_fn(module, batch)
@@ -259,10 +291,11 @@ class TrainStep:
 
         Returns:
           A text table with, per group, its layer count, how it was gathered (``"not read"``,
-          ``"whole"``, or ``"per layer"`` for a stack scanned with :func:`scan`) and the float32
+          ``"whole"`` (held to the backward pass), ``"per layer"`` for a stack scanned with
+          :func:`scan`, ``"per call"`` for a group resharded after its call) and the float32
           bytes of gathered weights it holds at once (a note when a whole stack costs more
-          than one layer), then the total per device; with a bit policy, the bits of every
-          sharded leaf.
+          than one layer), then the total per device (the held groups plus the two largest
+          resharded ones); with a bit policy, the bits of every sharded leaf.
 
         Raises:
           TypeError: ``state`` is not a ``TrainState``.
@@ -287,6 +320,7 @@ def make_train_step(
     donate: bool = True,
     stacked: Sequence[str] | None = None,
     mode: str | None = "train",
+    reshard_after_forward: bool = True,
 ) -> TrainStep:
     """The sharded train step of ``loss_fn(model, batch)`` (see the module docstring).
 
@@ -311,6 +345,13 @@ def make_train_step(
         a module in eval mode is warned about), ``"eval"``, or ``None``: the module's
         ``deterministic`` / ``use_running_average`` attributes as they are now (e.g. frozen
         batch statistics).
+      reshard_after_forward: True (the default): a group called as a module (``block(x)``) is
+        gathered for its call and gathered again in the backward pass, which re-runs the
+        call's forward: peak memory holds one or two such groups' weights, at the price of a
+        second all-gather of each (``comm_report`` counts it). False: every group read in the
+        forward pass stays gathered until its gradient is taken (fewer collectives, more
+        memory). Stacks read with :func:`scan` are gathered per layer either way. The same
+        arithmetic either way (the same values up to XLA's fusion choices).
 
     Returns:
       The :class:`TrainStep`; metrics as ``qsdp_jax.make_train_step``.
@@ -332,6 +373,7 @@ def make_train_step(
         donate=donate,
         stacked=stacked,
         mode=mode,
+        reshard_after_forward=reshard_after_forward,
     )
 
 

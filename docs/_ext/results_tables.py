@@ -29,6 +29,12 @@ def _memory(doc: dict) -> str:
     return table(doc["rows"])
 
 
+def _memory_nnx(doc: dict) -> str:
+    from experiments.bench.memory_nnx import table
+
+    return table(doc["rows"])
+
+
 def _overhead(doc: dict) -> str:
     from experiments.bench.overhead import table
 
@@ -81,6 +87,7 @@ def _grid_walk(doc: dict) -> str:
 TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "comm_bytes": ("comm_bytes.json", _comm),
     "memory": ("memory.json", _memory),
+    "memory_nnx": ("memory_nnx.json", _memory_nnx),
     "overhead": ("overhead.json", _overhead),
     "kernels_cpu": ("kernels_cpu.json", _kernels),
     "network": ("network.json", _network),

@@ -42,6 +42,11 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "memory.json"
 MB = 1e6
 
 
+def peak_bytes(m) -> int:
+    """The peak of a ``compiled.memory_analysis()``: arguments + outputs - donated + temporaries."""
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of an abstract pytree of sharded ``ShapeDtypeStruct``s."""
     import jax
@@ -116,7 +121,7 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
         compiled = cast("Wrapped", q.make_train_step(model.loss, opt, mesh, cfg)).lower(state, batch).compile()
         units = layer_units(state.layout)
     m = compiled.memory_analysis()
-    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    peak = peak_bytes(m)
     state_bytes = per_device_bytes(state)
     return {
         "model": model_name,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from typing import Any, Callable
 
 import jax
@@ -31,9 +30,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from qsdp_jax._src.nnx_active import _ACTIVE, current, non_params, params_untouched
+from qsdp_jax._src.nnx_reshard import can_reshard, resharding_class
 from qsdp_jax._src.nnx_tree import Group, ModelDef, path_str, submodule
-
-_ACTIVE = threading.local()
 
 
 def _current_trace():
@@ -47,7 +46,7 @@ class ShardedParam(nnx.Param):
 
     def _refresh(self):
         read = getattr(self, "_qsdp_read", None)
-        if read is not None:
+        if read is not None and not getattr(_ACTIVE, "untouched", False):
             object.__setattr__(self, "_raw_value", read())
 
     def get_value(self, **kwargs):
@@ -64,12 +63,18 @@ class ShardedParam(nnx.Param):
 class StepContext:
     """What the module and :func:`scan` see while the sharded loss is traced."""
 
-    def __init__(self, access, mdef: ModelDef, axis: str | tuple[str, ...], record: dict):
+    def __init__(
+        self, access, mdef: ModelDef, axis: str | tuple[str, ...], record: dict, reshard=False, held=frozenset()
+    ):
         self.access = access  # qsdp_jax.train.ShardedParams
         self.mdef = mdef
         self.axis = axis
-        self.record = record  # group name -> "whole" / "per layer", for the step's summary
+        self.record = record  # group name -> "whole" / "per layer" / "per call", for the summary
+        self.reshard = reshard  # groups called as modules are gathered per call (nnx_reshard)
+        self.held = held  # groups not resharded (read outside their call too)
         self.stacks: dict[int, Group] = {}
+        self.resharded: dict[int, Group] = {}
+        self.base_trace = None  # the loss's own trace level
         self._cache: list = []  # (group name, trace, value)
 
     # --- reading parameters -------------------------------------------------------------------
@@ -79,6 +84,8 @@ class StepContext:
         for name, t, value in self._cache:
             if name == group.name and t == trace:
                 return value
+        if trace == self.base_trace and group.name in self.record:
+            self.record[group.name] = "whole"  # read outside its call too: held to the backward
         if group.stacked:
             self.record[group.name] = "whole"
             _, value = self.access.scan(group.name, lambda c, layer, _: (c, layer), None, remat=False)
@@ -113,16 +120,31 @@ class StepContext:
             others.append((spec.path, spec.make(value)))
         module = nnx.merge(self.mdef.graphdef, nnx.from_flat_state(params), nnx.from_flat_state(others))
         sync_batch_norm(module, self.axis)
+        self.base_trace = _current_trace()
         for g in self.mdef.groups:
+            node = submodule(module, g.path)
             if g.stacked:
-                self.stacks[id(submodule(module, g.path))] = g
+                self.stacks[id(node)] = g
+            elif self.reshard and g.name not in self.held and can_reshard(node, g, self.mdef):
+                object.__setattr__(node, "__class__", resharding_class(type(node)))
+                self.resharded[id(node)] = g
         return module
+
+    def reshard_group(self, module) -> Group | None:
+        """The group a call of ``module`` reshards: a resharded group's module called at the
+        loss's own level, its weights not read there yet; else None (a plain call)."""
+        g = self.resharded.get(id(module))
+        if g is None or _current_trace() != self.base_trace:
+            return None
+        if any(name == g.name and t == self.base_trace for name, t, _ in self._cache):
+            return None
+        return g
 
     def read_state(self, module: nnx.Module, values: dict) -> dict:
         """The model state after the loss: batch statistics averaged over the devices, RNG
         state as it came in (the streams advance with the step), other variables as computed."""
         out = {}
-        for path, var in nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param))):
+        for path, var in non_params(module):
             key = path_str(path)
             if isinstance(var, nnx.RngState):
                 out[key] = values[key]
@@ -141,12 +163,6 @@ class StepContext:
             yield self
         finally:
             _ACTIVE.stack = stack
-
-
-def current() -> StepContext | None:
-    """The sharded step being traced, if any."""
-    stack = getattr(_ACTIVE, "stack", [])
-    return stack[-1] if stack else None
 
 
 def sync_batch_norm(module: nnx.Module, axis: str | tuple[str, ...]) -> None:
@@ -290,7 +306,8 @@ def _sharded_scan(ctx: StepContext, f, args, axes, out_axes, registered, length,
 
     carry, (ys, new_rest) = ctx.access.scan(group.name, body, args[ci], (tuple(args[i] for i in xs_at), rest))
     ctx.record[group.name] = "per layer"
-    state = nnx.state(stack, nnx.Not(nnx.Param))
+    with params_untouched():
+        state = nnx.state(stack, nnx.Not(nnx.Param))
     for p, v in nnx.to_flat_state(state):
         if not isinstance(v, nnx.RngState):
             v.set_value(new_rest[path_str(p)])
@@ -300,7 +317,7 @@ def _sharded_scan(ctx: StepContext, f, args, axes, out_axes, registered, length,
 
 def _values(module) -> dict:
     """``{"a/b": value}`` of a module's non-parameter variables."""
-    return {path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(module, nnx.Not(nnx.Param)))}
+    return {path_str(p): v.get_value() for p, v in non_params(module)}
 
 
 def _split_out(out, out_axes):

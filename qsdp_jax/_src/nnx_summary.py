@@ -1,7 +1,7 @@
 """What an NNX train step gathers, told to the user: the warning for a layer stack gathered whole,
 and the table of ``TrainStep.summary(state, batch)``.
 
-Both read the step's ``record`` (``{group name: "whole" | "per layer"}``), which the loss fills
+Both read the step's ``record`` (``{group name: "whole" | "per layer" | "per call"}``), which the loss fills
 while it is traced (:mod:`qsdp_jax._src.nnx_scan`); a group the loss never read is ``"not read"``.
 """
 
@@ -28,10 +28,11 @@ def warn_whole(stacked, record: dict[str, str]) -> None:
 def summary_table(layout, record: dict[str, str], config) -> str:
     """The text of ``TrainStep.summary``: per group of ``layout``, its layer count, how the
     traced step gathered it (``record``) and the float32 bytes of gathered weights it holds at
-    once (a note when a whole stack costs more than one layer), then the total per device; with
+    once (a note when a whole stack costs more than one layer), then the total per device (the
+    groups held to the backward pass, plus the two largest gathered per call); with
     ``config.bit_policy``, the bits of every sharded leaf."""
     rows = [f"{'group':<16}{'layers':>7}  {'gathered':<11}{'held at once':>14}  note"]
-    peak = 0
+    held_to_backward, per_call = 0, []
     for g in layout.groups:
         how = record.get(g.name, "not read")
         per_layer = 4 * g.held_size  # the fp32 gather buffers of one layer
@@ -39,9 +40,14 @@ def summary_table(layout, record: dict[str, str], config) -> str:
         note = ""
         if g.stacked and how == "whole":
             note = f"whole stack: {_mib(held)} instead of {_mib(per_layer)} per layer (scan it with qsdp_jax.nnx.scan)"
-        if how != "not read":
-            peak += held
+        if how == "per call":
+            note = "gathered for its call and again in the backward pass"
+            per_call.append(held)
+        elif how != "not read":
+            held_to_backward += held
         rows.append(f"{g.name:<16}{g.n_layers:>7}  {how:<11}{_mib(held):>14}  {note}")
+    # a resharded call's gather may start while the previous call runs: two at once
+    peak = held_to_backward + sum(sorted(per_call)[-2:])
     rows.append(f"gathered weights held at once, at most: {_mib(peak)} per device")
     if config.bit_policy:  # the bits of every sharded leaf
         rows += ["", f"bit policy {config.bit_policy}:", layout.bits_table(config)]

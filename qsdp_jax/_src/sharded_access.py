@@ -22,6 +22,7 @@ from jax import lax
 
 from qsdp_jax._src import packing
 from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.regather import regathered, tie
 from qsdp_jax.collectives import make_gather
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.hierarchy import gather_spec
@@ -49,6 +50,7 @@ class ShardedParams:
         self._grid = grid
         self._step = step
         self._config = config
+        self._prefetch: jax.Array | None = None  # regather.tie of the last call's inputs
 
     def _key(self, group: str, layer, buffer: Buffer) -> jax.Array:
         gi = self._layout.group_index(group)
@@ -97,13 +99,40 @@ class ShardedParams:
         return side(scales[g.name]), side(offsets[g.name])
 
     def gather(self, group: str) -> PyTree:
+        return self.gather_blocks(group, self.blocks(group))
+
+    def fresh(self) -> "ShardedParams":
+        """The same access without the last call's prefetch tie: for another trace of the
+        loss (a tie holds a value of the trace that made it)."""
+        return ShardedParams(self._layout, self._params, self._grid, self._step, self._config)
+
+    def call(self, group: str, fn, *args):
+        """``fn(gather(group), *args)`` with the group gathered again in the backward pass
+        (:func:`qsdp_jax._src.regather.regathered`); ``args`` are pytrees of arrays."""
+        self._unstacked(group, "call")
+        gather = lambda blocks: self.gather_blocks(group, blocks)  # noqa: E731
+        out = regathered(gather, fn, self.blocks(group), args, self._prefetch)
+        self._prefetch = tie(args)  # the next call's gather waits for these inputs
+        return out
+
+    def blocks(self, group: str) -> list:
+        """This device's blocks of ``group``'s leaves, in leaf order."""
+        return jax.tree_util.tree_leaves(self._params[group])
+
+    def _unstacked(self, group: str, how: str) -> GroupLayout:
         g = self._layout.group(group)
         if g.stacked:
-            raise ValueError(f"group {group!r} is layer-stacked: read it with scan(), not gather()")
+            raise ValueError(f"group {group!r} is layer-stacked: read it with scan(), not {how}()")
+        return g
+
+    def gather_blocks(self, group: str, blocks: list) -> PyTree:
+        """``gather(group)`` of the given blocks (as :meth:`blocks` lists them): a gather
+        inside a function of the blocks, e.g. one the backward pass calls again."""
+        g = self._unstacked(group, "gather")
         grids = self._group_grids(g)
         if grids is not None:  # a non-stacked leaf's grid is one row
             grids = tuple([None if x is None else x.reshape(-1) for x in side] for side in grids)
-        return self._full_leaves(g, jax.tree_util.tree_leaves(self._params[group]), grids, 0)
+        return self._full_leaves(g, list(blocks), grids, 0)
 
     def scan(self, group, body, init, xs=None, *, remat=True):
         g = self._layout.group(group)
