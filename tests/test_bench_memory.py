@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from experiments.bench import memory as bm
 
 
@@ -21,3 +23,15 @@ def test_tiny_fp32_memory_shrinks_with_devices_and_sits_above_the_ideal(tmp_path
     # tiny: 2 layers of 196608 padded elements + the embedding's 40960, in fp32
     assert two["largest_unit_bytes"] == 196608 * 4
     assert "peak/ideal2" in rec["table"] and "tiny" in rec["table"]
+
+
+def test_a_bf16_first_moment_saves_two_bytes_of_state_per_parameter(tmp_path):
+    out = tmp_path / "memory.json"
+    argv = ["--models", "tiny", "--schemes", "fp32", "fp32+mu-bf16", "--devices", "8", "--out", str(out)]
+    assert bm.main(argv) == 0
+    full, compact = json.loads(out.read_text())["rows"]
+    saved = (full["state_bytes"] - compact["state_bytes"]) * 8 / full["n_params"]
+    assert 1.9 < saved < 2.5  # 2 bytes a parameter; the replicated small leaves save on every device
+    assert "B/param" in json.loads(out.read_text())["table"]
+    with pytest.raises(ValueError, match=r"unknown optimizer-state suffix 'nu-int8'"):
+        bm.split_scheme("fp32+nu-int8")

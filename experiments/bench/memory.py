@@ -9,7 +9,9 @@ not run*, from an abstract state (:func:`qsdp_jax.abstract_train_state`) on simu
 devices, with one sequence per device. Scheme ``gspmd`` is the plain ``jax.jit`` +
 ``NamedSharding`` FSDP step a JAX user would write (:mod:`experiments.shelf.gspmd_fsdp`), the
 baseline of column ``vs gspmd``; the others are :func:`qsdp_jax.make_train_step` with
-``QSDPConfig.from_name(scheme)``. ``compiled.memory_analysis()`` gives the program's
+``QSDPConfig.from_name(scheme)``; a ``+mu-bf16`` suffix (``qsdp-W8G8+mu-bf16``) keeps adam's
+first moment in bfloat16 (``optax.adam(mu_dtype=jnp.bfloat16)``: 2 bytes less state per
+parameter; its accuracy is not measured yet). ``compiled.memory_analysis()`` gives the program's
 buffers per device; the peak is ``arguments + outputs - aliased (donated) + temporaries``.
 
 Next to it, the ideal of FSDP: the sharded train state per device (parameters, optimizer state,
@@ -40,6 +42,17 @@ GSPMD = "gspmd"
 DEVICE_COUNTS = (2, 4, 8)
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "memory.json"
 MB = 1e6
+
+
+MOMENTS = ("mu-bf16",)  # scheme suffixes: "+mu-bf16" keeps adam's first moment in bfloat16
+
+
+def split_scheme(scheme: str) -> tuple[str, str | None]:
+    """``"qsdp-W8G8+mu-bf16"`` -> ``("qsdp-W8G8", "mu-bf16")``; no suffix: ``(scheme, None)``."""
+    name, _, moments = scheme.partition("+")
+    if moments and moments not in MOMENTS:
+        raise ValueError(f"scheme {scheme!r}: unknown optimizer-state suffix {moments!r}; known: {list(MOMENTS)}")
+    return name, moments or None
 
 
 def peak_bytes(m) -> int:
@@ -109,14 +122,16 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
         for k in ("inputs", "targets")
     }
     state: tuple[Any, Any] | q.TrainState  # (params, opt_state) for GSPMD, else a TrainState
-    if scheme == GSPMD:
-        opt = optax.adam(1e-3)
+    name, moments = split_scheme(scheme)
+    base = optax.adam(1e-3, mu_dtype=jnp.bfloat16 if moments == "mu-bf16" else None)
+    if name == GSPMD:
+        opt = base
         state = gspmd_fsdp.abstract_state(model, mesh, opt)
         compiled = gspmd_fsdp.make_step(model, opt, mesh).lower(*state, batch).compile()
         units = gspmd_units(model, state[0])
     else:
-        cfg = q.QSDPConfig.from_name(scheme)
-        opt = optim.qsdp(optax.adam(1e-3), cfg)
+        cfg = q.QSDPConfig.from_name(name)
+        opt = optim.qsdp(base, cfg)
         state = q.abstract_train_state(model.abstract_params(), opt, mesh, cfg, stacked=model.stacked_groups)
         compiled = cast("Wrapped", q.make_train_step(model.loss, opt, mesh, cfg)).lower(state, batch).compile()
         units = layer_units(state.layout)
@@ -148,7 +163,7 @@ def table(rows: list[dict]) -> str:
     peak over the gspmd row's peak of the same model and device count, where there is one."""
     gspmd = {(r["model"], r["n_devices"]): r["peak_bytes"] for r in rows if r["scheme"] == GSPMD}
     head = (
-        f"{'model':<9}{'params':>8} {'scheme':<10}{'dev':>4}{'state':>9}{'ideal 1-2 layers':>19}"
+        f"{'model':<9}{'params':>8} {'scheme':<18}{'dev':>4}{'state':>9}{'B/param':>8}{'ideal 1-2 layers':>19}"
         f"{'peak':>9}{'peak/ideal2':>12}{'temp':>9}{'vs gspmd':>10}"
     )
     lines = [head, "-" * len(head)]
@@ -160,9 +175,10 @@ def table(rows: list[dict]) -> str:
         ideal = f"{r['ideal_1_layer_bytes'] / MB:.1f}-{r['ideal_2_layers_bytes'] / MB:.1f}"
         base = gspmd.get((r["model"], r["n_devices"]))
         vs = f"{r['peak_bytes'] / base:.2f}x" if base else "-"
+        per_param = r["state_bytes"] * r["n_devices"] / r["n_params"]  # state bytes per parameter
         lines.append(
-            f"{r['model']:<9}{r['n_params'] / 1e6:>7.1f}M {r['scheme']:<10}{r['n_devices']:>4}"
-            f"{r['state_bytes'] / MB:>9.1f}{ideal:>19}{r['peak_bytes'] / MB:>9.1f}"
+            f"{r['model']:<9}{r['n_params'] / 1e6:>7.1f}M {r['scheme']:<18}{r['n_devices']:>4}"
+            f"{r['state_bytes'] / MB:>9.1f}{per_param:>8.2f}{ideal:>19}{r['peak_bytes'] / MB:>9.1f}"
             f"{r['peak_bytes'] / r['ideal_2_layers_bytes']:>11.2f}x{r['temp_bytes'] / MB:>9.1f}"
             f"{vs:>10}"
         )
@@ -175,6 +191,8 @@ def table(rows: list[dict]) -> str:
         "from compiled.memory_analysis(), one sequence per device; the rest of the peak is activations and logits.",
         "vs gspmd: peak / the peak of the plain "
         "jax.jit + NamedSharding FSDP step (experiments/shelf/gspmd_fsdp.py), same model and devices.",
+        "B/param: state bytes per parameter over all devices (adam: 4 weight + 8 moments); "
+        "+mu-bf16: adam's first moment in bfloat16.",
     ]
     return "\n".join(lines)
 

@@ -84,7 +84,7 @@ def call_resharded(ctx, group, module, orig, args: tuple, kwargs: dict) -> Any:
     ppaths = [p for p, _ in nnx.to_flat_state(pstate)]
     rpaths = [p for p, _ in nnx.to_flat_state(rstate)]
 
-    def run(full, state, dyn):
+    def run(full, dyn, state):
         # a copy of the module made in this trace (NNX updates variables only in their own
         # trace), holding the gathered weights and the given model state
         leaves = list(flat)
@@ -100,7 +100,8 @@ def call_resharded(ctx, group, module, orig, args: tuple, kwargs: dict) -> Any:
 
     ctx.record.setdefault(group.name, "per call")
     state = [v.get_raw_value() for _, v in nnx.to_flat_state(rstate)]
-    out, new = ctx.access.call(group.name, run, state, [flat[i] for i in where])
+    # the call's own inputs first: the next call's gather is tied to the first of them
+    out, new = ctx.access.call(group.name, run, [flat[i] for i in where], state)
     nnx.update(module, _state(rstate, list(zip(rpaths, new))))
     return out
 

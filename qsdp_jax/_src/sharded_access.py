@@ -5,8 +5,10 @@ whole of every replicated one). ``gather(group)`` packs the group's blocks into 
 buffer(s) (:func:`qsdp_jax._src.packing.pack`), all-gathers them (quantized per the config; lossless
 in ``"qsdp"`` mode, where the blocks lie on the grid held by the optimizer), and unpacks the full
 leaves; the backward pass of the gather reduce-scatters the buffer's gradient (quantized), so
-each device receives the summed gradient of its own blocks. ``scan(group, ...)`` does the same one
-layer at a time inside a rematerialised ``lax.scan`` body, so peak memory holds one layer.
+each device receives the summed gradient of its own blocks. ``call(group, fn, *args)`` gathers for
+one call of ``fn`` and again in its backward pass (:mod:`qsdp_jax._src.regather`).
+``scan(group, ...)`` does the same one layer at a time inside a rematerialised ``lax.scan`` body,
+so peak memory holds one layer.
 
 Gradient-quantization keys are ``derive_key(seed, GRAD, step, group, layer[, buffer])`` folded
 with the sender's index: the backward re-gather and every resumed run see the same randomness.
