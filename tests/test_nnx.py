@@ -167,23 +167,31 @@ def test_bf16_params(mesh):
     assert {x.dtype for x in jax.tree.leaves(_params(model))} == {jnp.dtype(jnp.bfloat16)}
 
 
-def test_stacked_model_matches_one_device_and_gathers_per_layer(mesh):
+def check_scanned_stack(mesh, make, group: str, n_layers: int = 3):
+    """``make(rngs)``'s model, its stack ``group`` read with the drop-in scan: the sharded fp32
+    step matches one device, gathers one layer per loop iteration, forward and backward, and
+    the summary says so."""
     cfg = q.QSDPConfig.fp32(bucket_size=64, min_shard_size=128)
     batches = [_stacked_batch(i) for i in range(3)]
-    model = Stacked(nnx.Rngs(0))
+    model = make(nnx.Rngs(0))
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*gathered whole")  # none with the drop-in
         losses, state, step, compiled = _sharded(model, mse, batches, mesh, cfg, 1e-2)
-    ref = Stacked(nnx.Rngs(0))
+    ref = make(nnx.Rngs(0))
     np.testing.assert_allclose(losses, _reference(ref, mse, batches, 1e-2), rtol=1e-5)
     qnnx.update(model, state)
     chex.assert_trees_all_close(_params(model), _params(ref), rtol=1e-5, atol=1e-6)
     # forward and rematerialising backward loops, each one layer's gather per iteration
     report = comm.comm_report(compiled)
-    one_layer = 4 * state.layout.group("blocks").flat_size
-    loops = [c for c in report.collectives if c.kind == "all-gather" and c.count == 3]
+    one_layer = 4 * state.layout.group(group).flat_size
+    loops = [c for c in report.collectives if c.kind == "all-gather" and c.count == n_layers]
     assert len(loops) == 2 and all(c.payload_bytes == one_layer for c in loops)
-    assert "blocks                3  per layer" in step.summary(state, batches[0])
+    rows = {line[:16].strip(): line[16:36].split() for line in step.summary(state, batches[0]).splitlines()[1:-1]}
+    assert rows[group] == [str(n_layers), "per", "layer"]
+
+
+def test_stacked_model_matches_one_device_and_gathers_per_layer(mesh):
+    check_scanned_stack(mesh, Stacked, "blocks")
 
 
 def test_plain_nnx_scan_gathers_the_whole_stack_and_says_so(mesh):

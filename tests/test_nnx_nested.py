@@ -1,9 +1,6 @@
 """Layer stacks nested below the top level of an NNX module (``self.trunk.layers``): found by the
 front door, gathered one layer at a time by the drop-in scan, trained as on one device."""
 
-import warnings
-
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,10 +8,9 @@ import pytest
 from flax import nnx
 
 import qsdp_jax as q
-from qsdp_jax import comm
 from qsdp_jax import nnx as qnnx
 from qsdp_jax._src.nnx_tree import describe, group_params
-from tests.test_nnx import Block, _params, _reference, _sharded, _stacked_batch, mse
+from tests.test_nnx import Block, _reference, _sharded, _stacked_batch, check_scanned_stack, mse
 
 CFG = q.QSDPConfig.fp32(bucket_size=64, min_shard_size=128)
 
@@ -107,20 +103,7 @@ def test_raw_parameter_stacks_are_found_only_when_named():
 
 
 def test_nested_stack_matches_one_device_and_gathers_per_layer(mesh):
-    batches = [_stacked_batch(i) for i in range(3)]
-    model = Nested(nnx.Rngs(0))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*gathered whole")  # none with the drop-in
-        losses, state, step, compiled = _sharded(model, mse, batches, mesh, CFG, 1e-2)
-    ref = Nested(nnx.Rngs(0))
-    np.testing.assert_allclose(losses, _reference(ref, mse, batches, 1e-2), rtol=1e-5)
-    qnnx.update(model, state)
-    chex.assert_trees_all_close(_params(model), _params(ref), rtol=1e-5, atol=1e-6)
-    report = comm.comm_report(compiled)  # forward and backward loops: one layer per iteration
-    one_layer = 4 * state.layout.group("trunk/layers").flat_size
-    loops = [c for c in report.collectives if c.kind == "all-gather" and c.count == 3]
-    assert len(loops) == 2 and all(c.payload_bytes == one_layer for c in loops)
-    assert "trunk/layers          3  per layer" in step.summary(state, batches[0])
+    check_scanned_stack(mesh, Nested, "trunk/layers")
 
 
 def test_nested_stack_read_with_plain_nnx_scan_is_gathered_whole_and_says_so(mesh):

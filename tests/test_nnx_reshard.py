@@ -16,6 +16,7 @@ from experiments.gpt.model_nnx import GPTListModel, GPTModel, gpt_loss
 from qsdp_jax import comm
 from qsdp_jax import nnx as qnnx
 from tests.test_nnx import mse
+from tests.test_nnx_gpt import _batch  # (8, 16) tokens: CFG's seq_len
 
 CFG = GPTConfig(seq_len=16, d_model=32, n_layers=4, n_heads=4)
 SMALL = dict(bucket_size=64, min_shard_size=128)
@@ -26,14 +27,6 @@ W8G8 = q.QSDPConfig.qsdp(8, 8, **SMALL)
 @pytest.fixture(scope="module")
 def mesh():
     return q.make_mesh()
-
-
-def _batch(i):
-    k1, k2 = jax.random.split(jax.random.key(i))
-    return {
-        "inputs": jax.random.randint(k1, (8, 16), 0, 256, jnp.int32),
-        "targets": jax.random.randint(k2, (8, 16), 0, 256, jnp.int32),
-    }
 
 
 def _train(model, loss_fn, batches, mesh, config, **kw):
