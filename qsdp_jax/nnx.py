@@ -59,6 +59,7 @@ from qsdp_jax._src import guards
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.nnx_scan import scan  # noqa: F401  (re-exported: qsdp_jax.nnx.scan)
 from qsdp_jax._src.nnx_scan import StepContext
+from qsdp_jax._src.nnx_reshard import can_reshard_any
 from qsdp_jax._src.nnx_tree import ModelDef, describe, group_params, model_state, set_model_state, set_params  # noqa: F401
 from qsdp_jax._src.nnx_tree import in_mode, mode_differences
 from qsdp_jax._src.nnx_checks import INT_HINT, check_fits, param_label, split_loss, state_label, warn_mode
@@ -199,7 +200,8 @@ class TrainStep:
         self.n = mesh_sizes(mesh, config)[1]  # every device: the batch is split over all
         self.loss_fn, self.optimizer, self.mesh, self.config = loss_fn, optimizer, mesh, config
         self.has_aux, self.aux_out_spec, self.evaluate = has_aux, aux_out_spec, evaluate
-        self.reshard_after_forward = reshard_after_forward
+        # reshard only where it can apply: a train step with a group called as a module
+        self.reshard = reshard_after_forward and not evaluate and can_reshard_any(graph, self.mdef)
         self.record: dict[str, str] = {}
         self._jitted = jax.jit(self._step, donate_argnums=(0,) if donate and not evaluate else ())
 
@@ -232,7 +234,7 @@ class TrainStep:
         batch = xbatch["batch"]
         extra = jax.tree.map(lambda x: x[0], xbatch["extra"])
         held: frozenset[str] = frozenset()
-        if self.reshard_after_forward and not self.evaluate:
+        if self.reshard:
             # a first, abstract trace finds the groups the loss also reads outside their own
             # __call__ (a tied embedding's attend): those are gathered once and held, as
             # resharding them would gather them twice in the forward pass
@@ -243,8 +245,7 @@ class TrainStep:
 
     def _traced_loss(self, access, batch, extra, record: dict, held):
         """The loss on the module built for this trace; ``held``: groups not resharded."""
-        reshard = self.reshard_after_forward and not self.evaluate
-        ctx = StepContext(access, self.mdef, self.config.batch_axes, record, reshard, held)
+        ctx = StepContext(access, self.mdef, self.config.batch_axes, record, self.reshard, held)
         with ctx.active():
             module = ctx.build(extra["state"], extra["step"])
             out = self.loss_fn(module, batch)

@@ -58,28 +58,39 @@ class Block(nnx.Module):
         return x + self.drop(self.lin(self.ln(x)))
 
 
+def block_stack(rngs, d, n_layers, dropout=0.0) -> Block:
+    """``n_layers`` Blocks stacked with nnx.split_rngs + nnx.vmap (one module, a layer axis)."""
+
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Block(d, rngs, dropout)
+
+    return make(rngs)
+
+
+def run_stack(scan, x, stack):
+    """The stack's blocks one after the other: ``scan`` (the drop-in or nnx.scan) + nnx.remat."""
+
+    @scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def trunk(x, block):
+        return block(x)
+
+    return trunk(x, stack)
+
+
 class Stacked(nnx.Module):
     """Blocks stacked with nnx.split_rngs + nnx.vmap; forward: (drop-in) nnx.scan + nnx.remat."""
 
     def __init__(self, rngs, d=32, n_layers=3, dropout=0.0, scan=qnnx.scan):
         self.inp = nnx.Linear(4, d, rngs=rngs)
-
-        @nnx.split_rngs(splits=n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make(rngs):
-            return Block(d, rngs, dropout)
-
-        self.blocks = make(rngs)
+        self.blocks = block_stack(rngs, d, n_layers, dropout)
         self.out = nnx.Linear(d, 1, rngs=rngs)
         self.scan = scan
 
     def __call__(self, x):
-        @self.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        @nnx.remat
-        def trunk(x, block):
-            return block(x)
-
-        return self.out(trunk(self.inp(x), self.blocks))[:, 0]
+        return self.out(run_stack(self.scan, self.inp(x), self.blocks))[:, 0]
 
 
 def _stacked_batch(i):

@@ -10,7 +10,7 @@ from flax import nnx
 import qsdp_jax as q
 from qsdp_jax import nnx as qnnx
 from qsdp_jax._src.nnx_tree import describe, group_params
-from tests.test_nnx import Block, _reference, _sharded, _stacked_batch, check_scanned_stack, mse
+from tests.test_nnx import _reference, _sharded, _stacked_batch, block_stack, check_scanned_stack, mse, run_stack
 
 CFG = q.QSDPConfig.fp32(bucket_size=64, min_shard_size=128)
 
@@ -24,22 +24,12 @@ class Trunk(nnx.Module):
     """A stack of Blocks (nnx.split_rngs + nnx.vmap) and a final norm, one level down."""
 
     def __init__(self, rngs, d, n_layers, scan):
-        @nnx.split_rngs(splits=n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make(rngs):
-            return Block(d, rngs)
-
-        self.layers = make(rngs)
+        self.layers = block_stack(rngs, d, n_layers)
         self.norm = nnx.LayerNorm(d, rngs=rngs)
         self.scan = scan
 
     def __call__(self, x):
-        @self.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        @nnx.remat
-        def run(x, block):
-            return block(x)
-
-        return self.norm(run(x, self.layers))
+        return self.norm(run_stack(self.scan, x, self.layers))
 
 
 class Nested(nnx.Module):

@@ -169,3 +169,31 @@ def test_blocks_sharing_a_module_or_given_one_train_as_without_reshard(mesh):
     rows = _two_ways(model, given, batches, mesh)
     assert rows["blocks/1"] == "whole"  # given a module: a plain call
     assert rows["a_shared"] == "per call"  # the module it was given: called, resharded
+
+
+def test_the_first_trace_runs_only_where_a_group_can_be_resharded(mesh):
+    """The abstract trace that finds groups read outside their call costs a second trace of
+    the loss: only for a train step with a group called as a module."""
+    raw = nnx.Module()  # groups that are bare parameters: nothing to reshard
+    raw.w = nnx.Param(jnp.ones((16, 16)))
+    raw.v = nnx.Param(jnp.ones((16, 13)))
+    traces = []
+
+    def counted(forward):
+        def loss(m, b):
+            traces.append(1)
+            return jnp.mean((forward(m, b["x"]) - b["y"]) ** 2)
+
+        return loss
+
+    cases = [
+        (StatefulList(nnx.Rngs(0)), lambda m, x: m(x), {}, 2),
+        (StatefulList(nnx.Rngs(0)), lambda m, x: m(x), {"reshard_after_forward": False}, 1),
+        (raw, lambda m, x: x @ m.w[...] @ m.v[...], {}, 1),
+    ]
+    for model, forward, kw, want in cases:
+        traces.clear()
+        opt = q.optim.qsdp(optax.sgd(1e-2), FP32)
+        state = jax.eval_shape(lambda: qnnx.init_state(model, opt, mesh, FP32))
+        qnnx.make_train_step(model, counted(forward), opt, mesh, FP32, **kw).lower(state, _state_batch(0))
+        assert len(traces) == want, (kw, len(traces))

@@ -30,7 +30,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from qsdp_jax._src.nnx_active import current, params_untouched
+from qsdp_jax._src.nnx_active import current, non_params, params_untouched
+from qsdp_jax._src.nnx_stacks import node_at
 
 _CLASSES: dict[type, type] = {}
 
@@ -67,6 +68,12 @@ def can_reshard(node, group, mdef) -> bool:
     return paths == own
 
 
+def can_reshard_any(model, mdef) -> bool:
+    """Whether any group of ``model`` (described by ``mdef``) would be resharded: without one,
+    the step needs no first trace to find the groups read outside their call."""
+    return any(can_reshard(node_at(model, g.path), g, mdef) for g in mdef.groups)
+
+
 def _holds_graph_nodes(tree) -> bool:
     """Whether a call's arguments hold NNX modules or variables (read inside the call, their
     weights would be another group's, gathered outside this one's custom_vjp)."""
@@ -94,9 +101,7 @@ def call_resharded(ctx, group, module, orig, args: tuple, kwargs: dict) -> Any:
         params = _state(pstate, [(p, _at(full, p)) for p in ppaths])
         copy = nnx.merge(graphdef, params, _state(rstate, list(zip(rpaths, state))))
         out = orig(copy, *call_args, **call_kwargs)
-        with params_untouched():
-            new = [v.get_raw_value() for _, v in nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param)))]
-        return out, new
+        return out, [v.get_raw_value() for _, v in non_params(copy)]
 
     ctx.record.setdefault(group.name, "per call")
     state = [v.get_raw_value() for _, v in nnx.to_flat_state(rstate)]
