@@ -194,6 +194,6 @@ def test_the_first_trace_runs_only_where_a_group_can_be_resharded(mesh):
     for model, forward, kw, want in cases:
         traces.clear()
         opt = q.optim.qsdp(optax.sgd(1e-2), FP32)
-        state = jax.eval_shape(lambda: qnnx.init_state(model, opt, mesh, FP32))
+        state = jax.eval_shape(lambda m=model, o=opt: qnnx.init_state(m, o, mesh, FP32))
         qnnx.make_train_step(model, counted(forward), opt, mesh, FP32, **kw).lower(state, _state_batch(0))
         assert len(traces) == want, (kw, len(traces))
