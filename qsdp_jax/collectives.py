@@ -12,6 +12,8 @@
   baselines everything is compared against.
 * :func:`make_gather`: the ``custom_vjp`` that pairs a gather (forward) with a reduce-scatter
   of the cotangent (backward); the backward returns the *sum* over devices.
+  :func:`make_coded_gather` is its twin for code-held weights, which gathers a payload built
+  from the stored codes.
 
 Shards are 1-D with a length that is a multiple of the bucket size; full buffers are the N
 shards concatenated in device order. The payload format (packed codes, then the stats) and its
@@ -100,6 +102,13 @@ def quantized_all_gather(
     payload = quantize_payload(
         shard, bits=bits, bucket=bucket, grid=grid, rounding=rounding, key=key, kernels=kernels, stats_dtype=stats_dtype
     )
+    return all_gather_payload(payload, n, bits=bits, bucket=bucket, axis_name=axis_name, kernels=kernels, stats_dtype=stats_dtype)
+
+
+def all_gather_payload(payload, n, *, bits, bucket, axis_name, kernels="auto", stats_dtype="float32") -> jax.Array:
+    """The second half of :func:`quantized_all_gather`: ``all_gather`` a built uint8 payload of
+    ``n`` elements (e.g. code-held weights' stored codes and grid) and dequantize every sender's
+    part; the float32 full buffer."""
     gathered = lax.all_gather(payload, axis_name, axis=0, tiled=False)  # (N, payload)
     return dequantize_payloads(gathered, n, bits=bits, bucket=bucket, kernels=kernels, stats_dtype=stats_dtype)
 
@@ -322,6 +331,20 @@ class GatherSpec:
             stats_dtype=self.stats_dtype,
         )
 
+    def gather_payload(self, payload, n):
+        """The forward collective of code-held weights (``"qsdp"`` mode): all-gather a payload
+        of ``n`` elements built from the stored codes and grid (:func:`all_gather_payload`)."""
+        assert self.weight_bits is not None  # code-held weights are gridded
+        return all_gather_payload(
+            payload,
+            n,
+            bits=self.weight_bits,
+            bucket=self.bucket,
+            axis_name=self.axis_name,
+            kernels=self.kernels,
+            stats_dtype=self.stats_dtype,
+        )
+
     def reduce_scatter(self, full, key):
         """The backward collective: reduce-scatter (sum) ``full`` as this spec says.
 
@@ -372,6 +395,30 @@ def make_gather(spec: GatherSpec):
 
     def fwd(shard, grid, key):
         return spec.gather(shard, grid), key
+
+    def bwd(key, ct):
+        return spec.reduce_scatter(ct.astype(jnp.float32), key), None, None
+
+    gather.defvjp(fwd, bwd)
+    return gather
+
+
+@functools.lru_cache(maxsize=None)
+def make_coded_gather(spec):
+    """:func:`make_gather` for code-held weights: ``gather(anchor, payload, key) -> full``.
+
+    Forward ``spec.gather_payload(payload, len(anchor))``: the payload (the stored codes and the
+    grid) travels as it is; ``anchor`` is a zero buffer of the shard's shape that the forward
+    never reads, the differentiated input: the backward reduce-scatters the cotangent into its
+    gradient as :func:`make_gather` does. ``payload`` and ``key`` get no gradient.
+    """
+
+    @jax.custom_vjp
+    def gather(anchor, payload, key):
+        return spec.gather_payload(payload, anchor.shape[-1])
+
+    def fwd(anchor, payload, key):
+        return spec.gather_payload(payload, anchor.shape[-1]), key
 
     def bwd(key, ct):
         return spec.reduce_scatter(ct.astype(jnp.float32), key), None, None

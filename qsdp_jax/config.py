@@ -97,6 +97,11 @@ class QSDPConfig:
         on the wire as bf16 (4 bytes per bucket instead of 8). ``"comm"`` / ``"full"`` modes
         and 1-D meshes only: weights kept on a bf16 grid (``"qsdp"`` mode) ratchet its range
         outward (``experiments/grid_walk.py``).
+      weight_storage: how the train state holds the gridded weights: ``"float32"`` (the
+        default) or ``"codes"``, each device's block as its packed b-bit codes (the grid's
+        scales and offsets are in the optimizer state already), a quarter of the bytes at 8
+        bits; lossless, since the weights are on their grid (``qsdp_jax._src.weight_codes``).
+        ``"codes"`` needs ``weight_mode="qsdp"``.
       bit_policy: per-leaf bits by parameter path, ordered rules ``(pattern, weight_bits,
         grad_bits)``, e.g. ``(("embed/*", 8, 8), ("head/out/*", 8, None))`` (a list is
         accepted and stored as a tuple). A sharded leaf takes the bits of the first rule whose
@@ -135,6 +140,7 @@ class QSDPConfig:
     kernels: str = "auto"
     grad_rotation: int | None = None
     stats_dtype: str = "float32"
+    weight_storage: str = "float32"
     bit_policy: tuple[tuple[str, int | None, int | None], ...] = ()
 
     def __post_init__(self):
@@ -175,6 +181,7 @@ class QSDPConfig:
                 "grid needs one spare level to cover the bucket range for every shift, and 2 "
                 "levels leave none (weight_rounding='stochastic' or weight_mode='comm' accept 1)",
             )
+        _checks.check_storage(self)
         _checks.check_levels(self)
         _checks.check_levers(self)
         _checks.check_policy(self)
@@ -190,7 +197,8 @@ class QSDPConfig:
 
         Returns:
           A copy of this config with those bits, ``inter_weight_bits`` / ``inter_grad_bits``
-          None and an empty ``bit_policy``.
+          None and an empty ``bit_policy`` (and float32 ``weight_storage`` for a
+          full-precision buffer).
 
         Raises:
           ValueError: the bits are invalid for this config (validated as any new config is).
@@ -201,6 +209,7 @@ class QSDPConfig:
             weight_bits=weight_bits,
             grad_bits=grad_bits,
             weight_mode=mode,
+            weight_storage=self.weight_storage if mode == "qsdp" else "float32",
             inter_weight_bits=None,
             inter_grad_bits=None,
             bit_policy=(),
@@ -363,7 +372,7 @@ class QSDPConfig:
         """A short label for tables, e.g. ``fp32``, ``bf16``, ``qsdp-W8G8``, ``comm-W4G4``.
 
         Suffixes name the outer level's bits (``-xW4``, ``-xG4``), the gradient rotation
-        (``-rot64``), compact statistics (``-bf16stats``) and each distinct bits of a bit policy
+        (``-rot64``), compact statistics (``-bf16stats``), code-held weights (``-codes``) and each distinct bits of a bit policy
         (``-pW8G8``); :meth:`from_name` reads the names without suffixes."""
         if self.weight_bits is None and self.grad_bits is None:
             return (
@@ -378,9 +387,10 @@ class QSDPConfig:
         return f"{mode}-{w}{g}{self._level_suffix()}{self._lever_suffix()}{self._policy_suffix()}"
 
     def _lever_suffix(self) -> str:
-        """``-rot64`` / ``-bf16stats`` when those switches are on (empty when off)."""
+        """``-rot64`` / ``-bf16stats`` / ``-codes`` when those switches are on (empty when off)."""
         out = f"-rot{self.grad_rotation}" if self.grad_rotation is not None else ""
-        return out + ("-bf16stats" if self.stats_dtype == "bfloat16" else "")
+        out += "-bf16stats" if self.stats_dtype == "bfloat16" else ""
+        return out + ("-codes" if self.weight_storage == "codes" else "")
 
     def _policy_suffix(self) -> str:
         """``-pW8G8`` per distinct bits of the policy's rules (patterns are not in the name:

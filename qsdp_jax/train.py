@@ -48,6 +48,7 @@ from qsdp_jax._src.hierarchy import device_mean, mesh_sizes
 from qsdp_jax._src.sharded_access import ShardedParams  # noqa: F401  (re-exported)
 from qsdp_jax.layout import ParamLayout
 from qsdp_jax._src.state_specs import opt_state_shardings, opt_state_specs
+from qsdp_jax._src import weight_codes as wc
 
 PyTree = Any
 
@@ -139,7 +140,7 @@ def init_checked_state(params, optimizer, mesh: Mesh, config: QSDPConfig, stacke
     init = _init_fn(layout, optimizer, mesh, config)
     abstract = jax.eval_shape(init, p)
     out = (
-        layout.shardings(mesh, config.shard_axes),
+        _storage_shardings(layout, mesh, config),
         opt_state_shardings(abstract[1], p, layout, mesh, config.shard_axes),
     )
     p, opt_state = jax.jit(init, out_shardings=out)(p)
@@ -182,10 +183,11 @@ def abstract_train_state(
     shardings = layout.shardings(mesh, config.shard_axes)
     with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     p = jax.tree.map(with_sharding, jax.eval_shape(lambda x: x, params), shardings)
-    _, opt_state = jax.eval_shape(_init_fn(layout, optimizer, mesh, config), p)
+    stored, opt_state = jax.eval_shape(_init_fn(layout, optimizer, mesh, config), p)
     opt_state = jax.tree.map(
         with_sharding, opt_state, opt_state_shardings(opt_state, p, layout, mesh, config.shard_axes)
     )
+    p = jax.tree.map(with_sharding, stored, _storage_shardings(layout, mesh, config))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     # an abstract state: the TrainState pytree with ShapeDtypeStruct leaves (what jax.eval_shape
     # gives), which the field types, written for concrete states, do not cover
@@ -220,17 +222,27 @@ def _init_fn(layout: ParamLayout, optimizer, mesh: Mesh, config: QSDPConfig):
             if config.weight_mode == "qsdp":
                 _grid_for_step(opt_state, config)  # clear error if not wrapped
                 p = qoptim.snap_to_grid(p, opt_state, config)
+                p = wc.encode(p, opt_state, config, layout)  # as it is unless code-held
         return p, opt_state
 
     return init
 
 
+def _storage_shardings(layout: ParamLayout, mesh: Mesh, config: QSDPConfig):
+    """The shardings of ``TrainState.params``: the leaves', or the grids' for code-held leaves."""
+    specs = wc.storage_specs(layout, config)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
 def _local_grads(loss_fn, layout: ParamLayout, config: QSDPConfig, has_aux: bool, n_dev: int):
     """The per-device body of the step: loss and gradients of this device's blocks."""
 
-    def local(step, params, grid, batch):
+    def local(step, stored, grid, batch):
+        params, codes = wc.anchors(stored, layout, config)
+        codes = codes if any(c is not None for c in codes) else None
+
         def objective(p):
-            out = loss_fn(ShardedParams(layout, p, grid or None, step, config), batch)
+            out = loss_fn(ShardedParams(layout, p, grid or None, step, config, codes), batch)
             return out if has_aux else (out, None)
 
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -297,6 +309,7 @@ def make_train_step(
         _check_batch(batch, n_dev)
         layout = state.layout
         pspecs = layout.specs(axes)
+        wc.check_stored(state.params, state.layout, config)
         qoptim.check_same_config(state.opt_state, config)
         grid = _grid_for_step(state.opt_state, config)
         grid_arg = () if grid is None else grid
@@ -304,7 +317,12 @@ def make_train_step(
         body = jax.shard_map(
             _local_grads(loss_fn, layout, config, has_aux, n_dev),
             mesh=mesh,
-            in_specs=(P(), pspecs, _grid_specs(layout, config, grid), jax.tree.map(lambda _: P(batch_axes), batch)),
+            in_specs=(
+                P(),
+                wc.storage_specs(layout, config),
+                _grid_specs(layout, config, grid),
+                jax.tree.map(lambda _: P(batch_axes), batch),
+            ),
             out_specs=(pspecs, P(), aux_spec if has_aux else P()),
             check_vma=False,
         )
@@ -326,13 +344,15 @@ def _update(optimizer, config: QSDPConfig, mesh: Mesh, layout: ParamLayout, stat
     """The optimizer step in the global view; the old state where anything is non-finite."""
     axes = config.shard_axes
     with layout_context(layout, mesh, axes):
+        params = wc.decode(state.params, state.opt_state, config, layout)  # as they are unless code-held
         finite = qoptim.all_finite(grads)
-        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        updates, new_opt = optimizer.update(grads, state.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # the new weights too: an update can overflow (e.g. float16 leaves) on finite grads
+        finite = finite & qoptim.all_finite(new_params)
         if config.weight_mode == "qsdp":
             new_params = qoptim.snap_to_grid(new_params, new_opt, config)
-    # the new weights too: an update can overflow (e.g. float16 leaves) on finite grads
-    finite = finite & qoptim.all_finite(new_params)
+            new_params = wc.encode(new_params, new_opt, config, layout)
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     new_params = jax.tree.map(keep, new_params, state.params)
     new_opt = jax.tree.map(keep, new_opt, state.opt_state)
@@ -342,8 +362,8 @@ def _update(optimizer, config: QSDPConfig, mesh: Mesh, layout: ParamLayout, stat
         tree,
         is_leaf=lambda x: isinstance(x, P),
     )
-    new_params = constrain(new_params, layout.specs(axes))
-    new_opt = constrain(new_opt, opt_state_specs(new_opt, state.params, layout, axes))
+    new_params = constrain(new_params, wc.storage_specs(layout, config))
+    new_opt = constrain(new_opt, opt_state_specs(new_opt, params, layout, axes))
     return new_params, new_opt, finite
 
 
@@ -377,10 +397,13 @@ def make_eval_step(
     def eval_fn(state: TrainState, batch):
         _check_batch(batch, n_dev)
         layout = state.layout
+        wc.check_stored(state.params, state.layout, config)
         grid = _grid_for_step(state.opt_state, config)
 
-        def local(step, params, grid, batch):
-            loss = loss_fn(ShardedParams(layout, params, grid or None, step, config), batch)
+        def local(step, stored, grid, batch):
+            params, codes = wc.anchors(stored, layout, config)
+            codes = codes if any(c is not None for c in codes) else None
+            loss = loss_fn(ShardedParams(layout, params, grid or None, step, config, codes), batch)
             return lax.pmean(loss, batch_axes)
 
         body = jax.shard_map(
@@ -388,7 +411,7 @@ def make_eval_step(
             mesh=mesh,
             in_specs=(
                 P(),
-                layout.specs(axes),
+                wc.storage_specs(layout, config),
                 _grid_specs(layout, config, grid),
                 jax.tree.map(lambda _: P(batch_axes), batch),
             ),
@@ -428,4 +451,5 @@ def gather_params(state: TrainState) -> dict[str, PyTree]:
     Returns:
       The params dict; ``jax.device_get`` it for host numpy arrays.
     """
-    return jax.tree.map(jnp.copy, state.params)
+    params = wc.decoded_params(state)
+    return jax.tree.map(jnp.copy, params) if params is state.params else params

@@ -17,6 +17,7 @@ CONFIGS = {
     "fp32": q.QSDPConfig.fp32(**SMALL),
     "W8G8": q.QSDPConfig.qsdp(8, 8, **SMALL),
     "W4G4": q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", **SMALL),
+    "W4G4-codes": q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", weight_storage="codes", **SMALL),
 }
 
 
@@ -79,7 +80,7 @@ def test_resume_is_bit_exact(name, tmp_path):
     _assert_bitwise(resumed.opt_state, straight.opt_state)
 
 
-@pytest.mark.parametrize("name", ["fp32", "W4G4"])
+@pytest.mark.parametrize("name", ["fp32", "W4G4", "W4G4-codes"])
 def test_reshard_8_to_4_and_back(name, tmp_path):
     """Saved on 8 devices, restored on 4: weights, grid and Adam moments bit for bit; saved
     again on 4 and restored on 8: the original state bit for bit. Training on 4 continues with
@@ -185,22 +186,23 @@ def test_half_written_checkpoint_is_never_picked_up(tmp_path):
         Checkpointer(tmp_path / "empty").restore(state, config, mesh)
 
 
-def _setup_2d(axes, **placement):
-    config = q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", **SMALL, **placement)
+def _setup_2d(axes, storage, **placement):
+    config = q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", weight_storage=storage, **SMALL, **placement)
     mesh = q.make_mesh(axes)
     opt = _opt(config)
     state = q.init_train_state(toymodel.init(1), opt, mesh, config, stacked=toymodel.STACKED)
     return config, mesh, state, q.make_train_step(toymodel.loss, opt, mesh, config, donate=False)
 
 
-def test_reshard_onto_2d_meshes_and_back(tmp_path):
+@pytest.mark.parametrize("name", ["W4G4", "W4G4-codes"])
+def test_reshard_onto_2d_meshes_and_back(name, tmp_path):
     """W4G4 saved on 8 devices (1-D) restores onto a hierarchical ("node", "local") 2x4 mesh and
     onto a hybrid ("replica", "fsdp") 2x4 mesh: weights, grid and Adam moments bit for bit (the
     stored form does not depend on the mesh; only the config's axis names differ). Training
     continues there with losses close to the 1-D run's (other gradient-quantization draws: the
     two-level reduction quantizes in other places); saved on 2x4 and restored on 8: the
-    state bit for bit."""
-    config = CONFIGS["W4G4"]
+    state bit for bit. Code-held weights alike (their codes are laid out like the grid)."""
+    config = CONFIGS[name]
     mesh8, state0, step8 = _setup(config, 8)
     half, _ = _run(step8, state0, 0, K)
     _, losses = _run(step8, half, K, 2 * K)
@@ -210,7 +212,7 @@ def test_reshard_onto_2d_meshes_and_back(tmp_path):
             ({"node": 2, "local": 4}, dict(axis_name="local", node_axis="node")),
             ({"replica": 2, "fsdp": 4}, dict(replica_axis="replica")),
         ]:
-            cfg2, mesh2, fresh, step2 = _setup_2d(axes, **placement)
+            cfg2, mesh2, fresh, step2 = _setup_2d(axes, config.weight_storage, **placement)
             on2, _ = ckpt.restore(fresh, cfg2, mesh2)
             g8, g2 = _global_opt(half, mesh8), _global_opt(on2, mesh2)
             assert g8.keys() == g2.keys()
@@ -254,3 +256,20 @@ def test_a_grid_of_other_buckets_is_refused_or_regridded(tmp_path):
     _assert_bitwise(snapped, on4.params)
     cont, losses = _run(step4, on4, 2, 4)
     assert np.isfinite(losses).all()
+
+
+def test_code_held_weights_of_other_buckets_are_refused(tmp_path):
+    """Code-held weights are codes of the old mesh's grid: where a leaf's buckets differ on the
+    new mesh (the 24-element head blocks of the test above) restore refuses, regrid=True too,
+    naming the leaf and what to do."""
+    config = q.QSDPConfig.qsdp(4, 4, bucket_size=64, min_shard_size=128, weight_storage="codes")
+    mesh8, state8, step8 = _setup(config, 8)
+    state8, _ = _run(step8, state8, 0, 1)
+    mesh4, fresh, _ = _setup(config, 4)
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(state8, config, mesh8)
+        for regrid in (False, True):
+            with pytest.raises(CheckpointMismatch, match=r"head/w"):
+                ckpt.restore(fresh, config, mesh4, regrid=regrid)
+        on8, _ = ckpt.restore(state8, config, mesh8)  # the same mesh restores exactly
+    _assert_bitwise(on8.params, state8.params)

@@ -9,9 +9,10 @@ not run*, from an abstract state (:func:`qsdp_jax.abstract_train_state`) on simu
 devices, with one sequence per device. Scheme ``gspmd`` is the plain ``jax.jit`` +
 ``NamedSharding`` FSDP step a JAX user would write (:mod:`experiments.shelf.gspmd_fsdp`), the
 baseline of column ``vs gspmd``; the others are :func:`qsdp_jax.make_train_step` with
-``QSDPConfig.from_name(scheme)``; a ``+mu-bf16`` suffix (``qsdp-W8G8+mu-bf16``) keeps adam's
-first moment in bfloat16 (``optax.adam(mu_dtype=jnp.bfloat16)``: 2 bytes less state per
-parameter; its accuracy is not measured yet). ``compiled.memory_analysis()`` gives the program's
+``QSDPConfig.from_name(scheme)``. Suffixes: ``+codes`` (``qsdp-W8G8+codes``) holds the on-grid
+weights as their codes (``weight_storage="codes"``: 1 byte per weight at 8 bits instead of 4),
+``+mu-bf16`` keeps adam's first moment in bfloat16 (``optax.adam(mu_dtype=jnp.bfloat16)``: 2
+bytes less state per parameter; its accuracy is not measured yet). ``compiled.memory_analysis()`` gives the program's
 buffers per device; the peak is ``arguments + outputs - aliased (donated) + temporaries``.
 
 Next to it, the ideal of FSDP: the sharded train state per device (parameters, optimizer state,
@@ -24,6 +25,7 @@ before its reduce-scatter. Writes ``experiments/results/memory.json`` and prints
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -44,15 +46,20 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "memory.json"
 MB = 1e6
 
 
-MOMENTS = ("mu-bf16",)  # scheme suffixes: "+mu-bf16" keeps adam's first moment in bfloat16
+OPTIONS = ("codes", "mu-bf16")
+"""Scheme suffixes: ``+codes`` holds QSDP's on-grid weights as their codes
+(``QSDPConfig(weight_storage="codes")``), ``+mu-bf16`` keeps adam's first moment in bfloat16."""
 
 
-def split_scheme(scheme: str) -> tuple[str, str | None]:
-    """``"qsdp-W8G8+mu-bf16"`` -> ``("qsdp-W8G8", "mu-bf16")``; no suffix: ``(scheme, None)``."""
-    name, _, moments = scheme.partition("+")
-    if moments and moments not in MOMENTS:
-        raise ValueError(f"scheme {scheme!r}: unknown optimizer-state suffix {moments!r}; known: {list(MOMENTS)}")
-    return name, moments or None
+def split_scheme(scheme: str) -> tuple[str, frozenset[str]]:
+    """``"qsdp-W8G8+codes+mu-bf16"`` -> ``("qsdp-W8G8", {"codes", "mu-bf16"})``."""
+    name, *options = scheme.split("+")
+    for o in options:
+        if o not in OPTIONS:
+            raise ValueError(f"scheme {scheme!r}: unknown suffix {o!r}; known: {list(OPTIONS)}")
+    if "codes" in options and not name.startswith("qsdp"):
+        raise ValueError(f"scheme {scheme!r}: +codes needs a qsdp scheme (weights on a grid)")
+    return name, frozenset(options)
 
 
 def peak_bytes(m) -> int:
@@ -122,8 +129,8 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
         for k in ("inputs", "targets")
     }
     state: tuple[Any, Any] | q.TrainState  # (params, opt_state) for GSPMD, else a TrainState
-    name, moments = split_scheme(scheme)
-    base = optax.adam(1e-3, mu_dtype=jnp.bfloat16 if moments == "mu-bf16" else None)
+    name, options = split_scheme(scheme)
+    base = optax.adam(1e-3, mu_dtype=jnp.bfloat16 if "mu-bf16" in options else None)
     if name == GSPMD:
         opt = base
         state = gspmd_fsdp.abstract_state(model, mesh, opt)
@@ -131,6 +138,8 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
         units = gspmd_units(model, state[0])
     else:
         cfg = q.QSDPConfig.from_name(name)
+        if "codes" in options:
+            cfg = dataclasses.replace(cfg, weight_storage="codes")
         opt = optim.qsdp(base, cfg)
         state = q.abstract_train_state(model.abstract_params(), opt, mesh, cfg, stacked=model.stacked_groups)
         compiled = cast("Wrapped", q.make_train_step(model.loss, opt, mesh, cfg)).lower(state, batch).compile()
@@ -192,6 +201,7 @@ def table(rows: list[dict]) -> str:
         "vs gspmd: peak / the peak of the plain "
         "jax.jit + NamedSharding FSDP step (experiments/shelf/gspmd_fsdp.py), same model and devices.",
         "B/param: state bytes per parameter over all devices (adam: 4 weight + 8 moments); "
+        "+codes: QSDP's weights held as their codes (weight_storage='codes'); "
         "+mu-bf16: adam's first moment in bfloat16.",
     ]
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from qsdp_jax._src.checkpoint_record import (
     refuse_grids,
 )
 from qsdp_jax._src.regrid import grid_leaf_keys
+from qsdp_jax._src.weight_codes import holds_codes
 
 
 def check_restorable(meta: dict, template, config, mesh, identity, regrid: bool, where: str):
@@ -45,6 +46,12 @@ def check_restorable(meta: dict, template, config, mesh, identity, regrid: bool,
     keys = ("format", "config", "layout", "identity")
     check_match(comparable({k: meta.get(k) for k in keys}), comparable({k: wanted[k] for k in keys}), where=where)
     moved = moved_grids(meta.get("grids", {}), wanted["grids"])
+    if moved and holds_codes(config):
+        raise CheckpointMismatch(
+            f"{where}: the weight grids of {moved} have other buckets on this mesh, and "
+            "code-held weights (weight_storage='codes') are the codes of the checkpoint's grid: "
+            "restore on the checkpoint's mesh shape (regrid=True cannot move codes)"
+        )
     if moved and not regrid:
         refuse_grids(meta.get("grids", {}), wanted["grids"], moved, where)
     regridded = grid_leaf_keys(template, moved) if moved else set()

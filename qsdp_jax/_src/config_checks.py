@@ -33,6 +33,20 @@ def check_choice(field: str, value, choices):
 
 # The cross-field rules of QSDPConfig (its __post_init__ calls them with the config as `c`).
 
+WEIGHT_STORAGES = ("float32", "codes")  # QSDPConfig.weight_storage
+
+
+def check_storage(c):
+    """Validate ``weight_storage``: codes only for weights kept on a grid."""
+    check_choice("weight_storage", c.weight_storage, WEIGHT_STORAGES)
+    if c.weight_storage == "codes" and c.weight_mode != "qsdp":
+        fail(
+            "weight_storage",
+            "codes",
+            f"'float32' with weight_mode={c.weight_mode!r}: only weights kept on their grid "
+            "(weight_mode='qsdp') are their codes",
+        )
+
 
 def check_levers(c):
     """Validate ``grad_rotation`` and ``stats_dtype``."""

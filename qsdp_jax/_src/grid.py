@@ -121,7 +121,7 @@ def grid_shape(geo: LeafGrid) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------------
 # One device's block
 # ----------------------------------------------------------------------------------------------
-def _rows(x, geo: LeafGrid, bucket: int):
+def rows_of(x, geo: LeafGrid, bucket: int):
     r = x.reshape(geo.rows, geo.size).astype(jnp.float32)
     pad = geo.buckets * bucket - geo.size
     return jnp.pad(r, ((0, 0), (0, pad)), mode="edge") if pad else r
@@ -148,7 +148,7 @@ def _project_block(x, geo: LeafGrid, config, key, shard, rounding=None):
 
     # float32 grids only: QSDPConfig refuses bf16 stats with on-grid weights
     values, scales, offsets = qk.select(
-        config.kernels, reference, kernel, _rows(x, geo, bucket), key, _bucket_ids(geo, shard), bucket=bucket
+        config.kernels, reference, kernel, rows_of(x, geo, bucket), key, _bucket_ids(geo, shard), bucket=bucket
     )
     return values[:, : geo.size].reshape(x.shape).astype(x.dtype), scales, offsets
 
@@ -160,7 +160,7 @@ def _snap_block(x, scales, offsets, geo: LeafGrid, config):
         config.kernels,
         lambda r, s, o: qz.quantize_on_grid(r, s, o, bits, bucket).dequantize(),
         lambda r, s, o, target: qk.snap(r, s, o, bits, bucket, target=target),
-        _rows(x, geo, bucket),
+        rows_of(x, geo, bucket),
         scales,
         offsets,
         bucket=bucket,
@@ -168,17 +168,19 @@ def _snap_block(x, scales, offsets, geo: LeafGrid, config):
     return values[:, : geo.size].reshape(x.shape).astype(x.dtype)
 
 
-def _per_device(fn, geos: list[LeafGrid], n_out_grids: int, *args):
+def per_device(fn, geos: list[LeafGrid], kinds_in: str, kinds_out: str, *args):
     """``fn(shard index, *blocks)`` on each device's blocks of the sharded leaves (a shard_map
-    over their specs), or on the whole leaves outside a layout context. ``args`` are lists over
-    ``geos``: the leaves, then per-leaf grids; returns the leaves, then ``n_out_grids`` grid lists."""
+    over their specs), or on the whole leaves outside a layout context.
+
+    ``args`` and ``fn``'s results are lists over ``geos``; ``kinds_in`` / ``kinds_out`` say per
+    argument / result whether it is laid out like the leaves (``"l"``) or like their grids
+    (``"g"``: ``(rows, buckets)`` split on the last axis, as are code-held weights)."""
     ctx = current_context()
     if ctx is None or not geos:
         return fn(jnp.uint32(0), *args)
-    specs = [g.spec for g in geos]
-    grid_specs = [P(None, ctx.axes)] * len(geos)
-    in_specs = (specs,) + tuple(grid_specs for _ in args[1:])
-    out_specs = (specs,) + tuple(grid_specs for _ in range(n_out_grids))
+    by_kind = {"l": [g.spec for g in geos], "g": [P(None, ctx.axes)] * len(geos)}
+    in_specs = tuple(by_kind[k] for k in kinds_in)
+    out_specs = tuple(by_kind[k] for k in kinds_out)
 
     def local(*blocks):
         return fn(lax.axis_index(ctx.axes), *blocks)
@@ -209,7 +211,7 @@ def project(leaves: Sequence[jax.Array], geos: Sequence[LeafGrid], config, count
         ]
         return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
 
-    values, scales, offsets = _per_device(fn, sub, 2, [leaves[i] for i in idx])
+    values, scales, offsets = per_device(fn, sub, "l", "lgg", [leaves[i] for i in idx])
     out_v, out_s, out_o = [None] * len(leaves), [empty_grid()] * len(leaves), [empty_grid()] * len(leaves)
     for j, i in enumerate(idx):
         out_v[i], out_s[i], out_o[i] = values[j], scales[j], offsets[j]
@@ -228,7 +230,8 @@ def snap(leaves: Sequence[jax.Array], geos: Sequence[LeafGrid], scales, offsets,
         return ([_snap_block(x, a, b, g, config) for x, a, b, g in zip(blocks, s, o, sub)],)
 
     out = list(leaves)
-    (snapped,) = _per_device(fn, sub, 0, [leaves[i] for i in idx], [scales[i] for i in idx], [offsets[i] for i in idx])
+    picked = [[x[i] for i in idx] for x in (leaves, scales, offsets)]
+    (snapped,) = per_device(fn, sub, "lgg", "l", *picked)
     for j, i in enumerate(idx):
         out[i] = snapped[j]
     return out

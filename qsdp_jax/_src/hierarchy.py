@@ -122,15 +122,21 @@ def two_level_all_gather(
         payload = quantize_payload(
             shard, bits=outer_bits, bucket=bucket, kernels=kernels, grid=grid if weight_mode == "qsdp" else None
         )
-        across = lax.all_gather(payload, outer_axis, axis=0, tiled=False)  # (N, P)
-        both = lax.all_gather(across, inner_axis, axis=0, tiled=False)  # (L, N, P)
-        nodes_first = jnp.swapaxes(both, 0, 1).reshape(-1, both.shape[-1])  # (N * L, P)
-        return dequantize_payloads(nodes_first, c, bits=outer_bits, bucket=bucket, kernels=kernels)
+        return forward_payload(payload, c, outer_axis=outer_axis, inner_axis=inner_axis, bits=outer_bits, bucket=bucket, kernels=kernels)
     kw = dict(mode=weight_mode, bucket=bucket, fp_dtype=fp_dtype, kernels=kernels)
     across = _gather_level(shard, bits=outer_bits, axis_name=outer_axis, grid=grid, **kw)  # (N*c,)
     both = _gather_level(across, bits=inner_bits, axis_name=inner_axis, **kw)  # (L*N*c,) local-major
     n = lax.axis_size(outer_axis)
     return jnp.swapaxes(both.reshape(-1, n, c), 0, 1).reshape(-1)
+
+
+def forward_payload(payload, c: int, *, outer_axis, inner_axis, bits, bucket, kernels="auto") -> jax.Array:
+    """A payload of ``c`` elements gathered across nodes, then forwarded as it is inside the
+    node, and dequantized: the float32 full buffer, node-major."""
+    across = lax.all_gather(payload, outer_axis, axis=0, tiled=False)  # (N, P)
+    both = lax.all_gather(across, inner_axis, axis=0, tiled=False)  # (L, N, P)
+    nodes_first = jnp.swapaxes(both, 0, 1).reshape(-1, both.shape[-1])  # (N * L, P)
+    return dequantize_payloads(nodes_first, c, bits=bits, bucket=bucket, kernels=kernels)
 
 
 def two_level_reduce_scatter(
@@ -280,6 +286,21 @@ class TwoLevelSpec:
             inner_bits=self.inner_weight_bits,
             fp_dtype=self.fp_dtype,
             grid=grid,
+            kernels=self.kernels,
+        )
+
+    def gather_payload(self, payload, n):
+        """The gather of code-held weights' payload (``"qsdp"`` mode: one grid, both levels
+        forward its codes)."""
+        if self.hybrid:
+            return self._inner_1d().gather_payload(payload, n)
+        return forward_payload(
+            payload,
+            n,
+            outer_axis=self.outer_axis,
+            inner_axis=self.inner_axis,
+            bits=self.inner_weight_bits,
+            bucket=self.bucket,
             kernels=self.kernels,
         )
 

@@ -13,6 +13,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from qsdp_jax._src import weight_codes as wc
 from qsdp_jax import train
 from qsdp_jax._src.nnx_tree import ModelDef, state_mismatches
 
@@ -52,7 +53,9 @@ def check_fits(mdef: ModelDef, state: train.TrainState) -> None:
             f"(stacked {mdef.stacked}): make the state with qsdp_jax.nnx.init_state from "
             "the same model, with the same stacked="
         )
-    bad = state_mismatches(mdef, state.params, state.model_state)
+    config = wc.state_config(state.opt_state)  # code-held weights: compare what they decode to
+    params = wc.values_like(state.layout) if config is not None and wc.holds_codes(config) else state.params
+    bad = state_mismatches(mdef, params, state.model_state)
     if bad:
         more = f"; and {len(bad) - 4} more" if len(bad) > 4 else ""
         raise ValueError(

@@ -25,7 +25,7 @@ from jax import lax
 from qsdp_jax._src import packing
 from qsdp_jax._src import quantizers as qz
 from qsdp_jax._src.regather import regathered, tie
-from qsdp_jax.collectives import make_gather
+from qsdp_jax.collectives import make_coded_gather, make_gather, payload_from_packed
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.hierarchy import gather_spec
 from qsdp_jax._src.policy import Buffer
@@ -44,14 +44,23 @@ class ShardedParams:
       grid: ``(scales, offsets)`` trees of this device's grid blocks (``"qsdp"`` mode), or None.
       step: the step being taken (keys the gradient noise).
       config: the run's config.
+      codes: code-held weights (``qsdp_jax._src.weight_codes``): per leaf in layout order,
+        this device's codes block, or None for a leaf ``params`` holds; ``params`` then holds
+        zero anchors in the code-held leaves' places. None (the default): no code-held leaf.
     """
 
-    def __init__(self, layout: ParamLayout, params: dict, grid, step, config: QSDPConfig):
+    def __init__(self, layout: ParamLayout, params: dict, grid, step, config: QSDPConfig, codes=None):
         self._layout = layout
         self._params = params
         self._grid = grid
         self._step = step
         self._config = config
+        self._codes = codes
+        self._codes_of: dict[str, list | None] = {}
+        first = 0
+        for g in layout.groups:
+            self._codes_of[g.name] = None if codes is None else list(codes[first : first + g.num_leaves])
+            first += g.num_leaves
         self._prefetch: jax.Array | None = None  # regather.tie of the last call's inputs
 
     def _key(self, group: str, layer, buffer: Buffer) -> jax.Array:
@@ -64,6 +73,12 @@ class ShardedParams:
         """One buffer's gather (its gradient's reduce-scatter in the backward), at its bits."""
         config = self._config if buffer.bits is None else self._config.buffer_config(*buffer.bits)
         return make_gather(gather_spec(config))(flat, grid, key)
+
+    def _gather_coded(self, buffer: Buffer, anchor, payload, key):
+        """A code-held buffer's gather of its stored codes (its gradient's reduce-scatter into
+        ``anchor``'s gradient in the backward)."""
+        config = self._config if buffer.bits is None else self._config.buffer_config(*buffer.bits)
+        return make_coded_gather(gather_spec(config))(anchor, payload, key)
 
     def _has_grid(self, buffer: Buffer) -> bool:
         return self._grid is not None and buffer.resolved_bits(self._config)[0] is not None
@@ -78,14 +93,22 @@ class ShardedParams:
             jnp.concatenate([offsets[s.index] for s in buffer.slots], axis=-1),
         )
 
-    def _full_leaves(self, g: GroupLayout, blocks: list, grids, layer) -> PyTree:
-        """The group's full leaves (one layer's, inside ``scan``) from this device's blocks."""
+    def _full_leaves(self, g: GroupLayout, blocks: list, grids, layer, codes=None) -> PyTree:
+        """The group's full leaves (one layer's, inside ``scan``) from this device's blocks (and
+        codes blocks, for code-held leaves)."""
         out = list(blocks)
         n = self._layout.num_shards
         for b in g.buffers:
             flat = packing.pack(b, blocks, self._layout.bucket)
             grid = self._buffer_grid(b, grids) if self._has_grid(b) else None
-            full = self._gather_buffer(b, flat, grid, self._key(g.name, layer, b))
+            key = self._key(g.name, layer, b)
+            if codes is not None and codes[b.slots[0].index] is not None:
+                assert grid is not None  # code-held leaves are gridded
+                packed = jnp.concatenate([codes[s.index].reshape(-1) for s in b.slots])
+                payload = payload_from_packed(packed, *grid)
+                full = self._gather_coded(b, flat, payload, key)
+            else:
+                full = self._gather_buffer(b, flat, grid, key)
             leaves = [g.leaves[s.index] for s in b.slots]
             got = packing.unpack(b, full, n, [x.dim for x in leaves], [x.shape for x in leaves])
             for i, x in got.items():
@@ -106,7 +129,7 @@ class ShardedParams:
     def fresh(self) -> "ShardedParams":
         """The same access without the last call's prefetch tie: for another trace of the
         loss (a tie holds a value of the trace that made it)."""
-        return ShardedParams(self._layout, self._params, self._grid, self._step, self._config)
+        return ShardedParams(self._layout, self._params, self._grid, self._step, self._config, self._codes)
 
     def call(self, group: str, fn, *args):
         """``fn(gather(group), *args)`` with the group gathered again in the backward pass
@@ -134,7 +157,7 @@ class ShardedParams:
         grids = self._group_grids(g)
         if grids is not None:  # a non-stacked leaf's grid is one row
             grids = tuple([None if x is None else x.reshape(-1) for x in side] for side in grids)
-        return self._full_leaves(g, list(blocks), grids, 0)
+        return self._full_leaves(g, list(blocks), grids, 0, self._codes_of[group])
 
     def scan(self, group, body, init, xs=None, *, remat=True):
         g = self._layout.group(group)
@@ -142,12 +165,13 @@ class ShardedParams:
             raise ValueError(f"group {group!r} is not layer-stacked: read it with gather(), not scan()")
         blocks = jax.tree_util.tree_leaves(self._params[group])
         grids = self._group_grids(g)
+        codes = self._codes_of[group]
 
         def layer(carry, inputs):
-            blocks_l, grids_l, index, x = inputs
-            return body(carry, self._full_leaves(g, blocks_l, grids_l, index), x)
+            blocks_l, grids_l, codes_l, index, x = inputs
+            return body(carry, self._full_leaves(g, blocks_l, grids_l, index, codes_l), x)
 
         if remat:
             layer = jax.checkpoint(layer, prevent_cse=False)
         indices = jnp.arange(g.n_layers, dtype=jnp.int32)
-        return lax.scan(layer, init, (blocks, grids, indices, xs))
+        return lax.scan(layer, init, (blocks, grids, codes, indices, xs))

@@ -1,0 +1,236 @@
+"""Code-held weights (``QSDPConfig.weight_storage="codes"``): on-grid weights stored as their codes.
+
+In ``"qsdp"`` mode every gridded weight lies exactly on its bucket's grid between steps, and the
+optimizer state holds that grid (``QSDPState.scales`` / ``offsets``). So a device's block of a
+gridded leaf *is* its b-bit codes: ``TrainState.params`` then holds, in place of the leaf, a
+uint8 array ``(rows, num_shards * packed_size(buckets * bucket, bits))`` laid out and sharded
+like the leaf's grid (``P(None, axes)``): device ``i``'s part is the packed codes of its block,
+flattened row-major and padded to whole buckets. ``rows`` is the layer count of a stacked leaf,
+else 1. Leaves without a grid (replicated, or full precision by a bit policy) stay as they are.
+
+**Invariant:** ``decode(encode(w)) == w`` bit for bit for weights ``w`` on the grid: the codes are
+the float32-held weights. The step therefore trains the same losses and weights as
+``weight_storage="float32"``:
+
+* the weight all-gather sends the stored codes and the grid as they are (no quantize pass);
+* the gradient reaches the codes' leaves through a zero *anchor* of the block's shape, the
+  differentiated argument (:func:`anchors`), which the forward pass never reads;
+* the optimizer, in the global view, sees :func:`decode`'d float32 weights and the new ones,
+  projected onto the new grid, are :func:`encode`'d.
+
+Checkpoints store the codes (a quarter of the weight bytes at 8 bits); where a leaf's buckets are
+the same on both meshes (see ``qsdp_jax.checkpoint``) they reshard as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from qsdp_jax import kernels as qk
+from qsdp_jax._src import grid as qgrid
+from qsdp_jax._src import quantizers as qz
+from qsdp_jax.layout import ParamLayout, leaf_spec
+
+PyTree = Any
+
+
+def holds_codes(config) -> bool:
+    """Whether a config's train state holds its gridded weights as codes."""
+    return config.weight_mode == "qsdp" and config.weight_storage == "codes"
+
+
+def coded(layout: ParamLayout, config) -> list[int | None]:
+    """Per leaf (``layout.leaves()`` order): its code bits when it is held as codes, else None."""
+    if not holds_codes(config):
+        return [None] * sum(g.num_leaves for g in layout.groups)
+    return list(layout.weight_bits(config))
+
+
+def code_width(buckets: int, bucket: int, bits: int) -> int:
+    """Bytes of one device's codes of a leaf, per row."""
+    return qz.packed_size(buckets * bucket, bits)
+
+
+def storage_specs(layout: ParamLayout, config) -> dict[str, PyTree]:
+    """The PartitionSpec of every leaf of ``TrainState.params``: the grid's ``P(None, axes)`` for
+    a code-held leaf, the leaf's own spec otherwise."""
+    axes = config.shard_axes
+    bits = coded(layout, config)
+    return layout.unflatten([leaf_spec(g, x, axes) if b is None else P(None, axes) for (g, x), b in zip(layout.leaves(), bits)])
+
+
+def values_like(layout: ParamLayout) -> dict[str, PyTree]:
+    """The params as ``jax.ShapeDtypeStruct`` of their global shapes and dtypes (what
+    :func:`decode` gives), from the layout alone."""
+    out = []
+    for g, x in layout.leaves():
+        shape = ((g.n_layers,) if g.stacked else ()) + tuple(x.shape)
+        out.append(jax.ShapeDtypeStruct(shape, jnp.dtype(x.dtype)))
+    return layout.unflatten(out)
+
+
+def stored_like(layout: ParamLayout, config) -> dict[str, PyTree]:
+    """``TrainState.params`` as ``jax.ShapeDtypeStruct`` (no shardings): codes' shapes where held."""
+    out = jax.tree_util.tree_leaves(values_like(layout))
+    for i, ((g, x), b) in enumerate(zip(layout.leaves(), coded(layout, config))):
+        if b is not None:
+            rows = max(g.n_layers, 1) if g.stacked else 1
+            out[i] = jax.ShapeDtypeStruct((rows, layout.num_shards * code_width(x.buckets, layout.bucket, b)), jnp.uint8)
+    return layout.unflatten(out)
+
+
+def _block_shape(layout: ParamLayout, i: int) -> tuple[int, ...]:
+    g, x = layout.leaves()[i]
+    return ((g.n_layers,) if g.stacked else ()) + x.local_shape(layout.num_shards)
+
+
+def _grids(opt_state) -> tuple[list, list]:
+    from qsdp_jax import optim as qoptim  # optim imports grid, which this module imports
+
+    st = qoptim.find_qsdp_state(opt_state)
+    if st is None:
+        raise ValueError("code-held weights need the optimizer wrapped with qsdp_jax.optim.qsdp(base, config)")
+    return jax.tree_util.tree_leaves(st.scales), jax.tree_util.tree_leaves(st.offsets)
+
+
+def encode(params: dict, opt_state, config, layout: ParamLayout) -> dict:
+    """``params`` (on the grid of ``opt_state``) with each gridded leaf replaced by its codes.
+
+    Traced inside the train step's layout context (``qsdp_jax._src.grid.layout_context``)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    bits = coded(layout, config)
+    idx = [i for i, b in enumerate(bits) if b is not None]
+    if not idx:
+        return params
+    scales, offsets = _grids(opt_state)
+    geos = qgrid.geometries(params, config)
+    sub = [geos[i] for i in idx]
+    bucket = config.bucket_size
+
+    def block(x, s, o, geo):
+        b = geo.bits
+        return qk.select(
+            config.kernels,
+            lambda r, s, o: qz.pack_bits(qz.quantize_on_grid(r, s, o, b, bucket).codes, b),
+            lambda r, s, o, target: qk.grid_pack(r, s, o, b, bucket, target=target),
+            qgrid.rows_of(x, geo, bucket),
+            s,
+            o,
+            bucket=bucket,
+        )
+
+    def fn(shard, xs, ss, os_):
+        del shard
+        return ([block(x, s, o, g) for x, s, o, g in zip(xs, ss, os_, sub)],)
+
+    picked = [[v[i] for i in idx] for v in (leaves, scales, offsets)]
+    (codes,) = qgrid.per_device(fn, sub, "lgg", "g", *picked)
+    out = list(leaves)
+    for j, i in enumerate(idx):
+        out[i] = codes[j]
+    return layout.unflatten(out)
+
+
+def decode(stored: dict, opt_state, config, layout: ParamLayout) -> dict:
+    """The float32-held weights of ``TrainState.params`` (the inverse of :func:`encode`), global
+    arrays sharded like the leaves; in the train step's layout context."""
+    leaves = jax.tree_util.tree_leaves(stored)
+    bits = coded(layout, config)
+    idx = [i for i, b in enumerate(bits) if b is not None]
+    if not idx:
+        return stored
+    scales, offsets = _grids(opt_state)
+    geos = qgrid.geometries(stored, config)
+    sub = [geos[i] for i in idx]
+    shapes = [_block_shape(layout, i) for i in idx]
+    dtypes = [jnp.dtype(layout.leaves()[i][1].dtype) for i in idx]
+    bucket = config.bucket_size
+
+    def block(c, s, o, geo, shape, dtype):
+        b, n = geo.bits, geo.buckets * bucket
+        values = qk.select(
+            config.kernels,
+            lambda c, s, o: qz.dequantize(qz.unpack_bits(c, b, n), s, o, bucket),
+            lambda c, s, o, target: qk.unpack_dequantize(c, s, o, b, bucket, n, target=target),
+            c,
+            s,
+            o,
+            bucket=bucket,
+        )
+        return values[:, : geo.size].reshape(shape).astype(dtype)
+
+    def fn(shard, cs, ss, os_):
+        del shard
+        return ([block(*a) for a in zip(cs, ss, os_, sub, shapes, dtypes)],)
+
+    picked = [[v[i] for i in idx] for v in (leaves, scales, offsets)]
+    (values,) = qgrid.per_device(fn, sub, "ggg", "l", *picked)
+    out = list(leaves)
+    for j, i in enumerate(idx):
+        out[i] = values[j]
+    return layout.unflatten(out)
+
+
+def anchors(stored_blocks: dict, layout: ParamLayout, config) -> tuple[dict, list]:
+    """Inside the step's ``shard_map``: ``(differentiated blocks, codes)`` of this device's
+    ``TrainState.params`` blocks. A code-held leaf's differentiated block is a zero of the leaf
+    block's shape and dtype (its gradient is the reduce-scattered one; the forward pass reads the
+    codes, never it), the others' their own blocks; ``codes`` lists, in leaf order, each
+    code-held leaf's codes block and None for the others."""
+    leaves = jax.tree_util.tree_leaves(stored_blocks)
+    bits = coded(layout, config)
+    diff, codes = [], []
+    for i, (x, b) in enumerate(zip(leaves, bits)):
+        if b is None:
+            diff.append(x)
+            codes.append(None)
+        else:
+            diff.append(jnp.zeros(_block_shape(layout, i), jnp.dtype(layout.leaves()[i][1].dtype)))
+            codes.append(x)
+    return layout.unflatten(diff), codes
+
+
+def check_stored(params: dict, layout: ParamLayout, config) -> None:
+    """A clear error when a train state's ``params`` are not held as ``config`` says (a state
+    made with another ``weight_storage``)."""
+    want = jax.tree_util.tree_leaves(stored_like(layout, config))
+    have = jax.tree_util.tree_leaves(params)
+    for (g, x), a, b in zip(layout.leaves(), have, want):
+        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+            held = "codes" if a.dtype == jnp.uint8 else "float32"
+            raise ValueError(
+                f"the state holds {x.path} as {a.dtype}{list(a.shape)} but the config's "
+                f"weight_storage={config.weight_storage!r} holds it as {b.dtype}{list(b.shape)} "
+                f"(the state looks made with weight_storage={held!r}): make the state with "
+                "init_train_state and the step's config"
+            )
+
+
+def state_config(opt_state):
+    """The config the state's ``qsdp`` optimizer was built with, or None."""
+    from qsdp_jax import optim as qoptim
+
+    st = qoptim.find_qsdp_state(opt_state)
+    return None if st is None else st.config
+
+
+def decoded_params(state) -> dict:
+    """A TrainState's weights as global float32-held arrays: ``state.params`` decoded when it
+    holds codes (the config comes from its optimizer state), else as it is."""
+    config = state_config(state.opt_state)
+    if config is None or not holds_codes(config):
+        return state.params
+    mesh = jax.tree_util.tree_leaves(state.params)[0].sharding.mesh
+    layout = state.layout
+    specs = jax.tree_util.tree_leaves(layout.specs(config.shard_axes), is_leaf=lambda x: isinstance(x, P))
+    out = layout.unflatten([jax.sharding.NamedSharding(mesh, s) for s in specs])
+
+    def fn(stored, opt_state):
+        with qgrid.layout_context(layout, mesh, config.shard_axes):
+            return decode(stored, opt_state, config, layout)
+
+    return jax.jit(fn, out_shardings=out)(state.params, state.opt_state)
