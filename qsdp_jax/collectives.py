@@ -24,7 +24,6 @@ payloads read back, through the selected kernels, in :mod:`qsdp_jax._src.payload
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +34,12 @@ from qsdp_jax._src import quantizers as qz
 from qsdp_jax._src import rotation as qr
 from qsdp_jax._src.payload_codec import (  # noqa: F401  (re-exported for callers of collectives)
     dequantize_payloads,
+    dequantize_spans,
     quantize_payload,
     stats_kernels,
 )
+from qsdp_jax._src.gather_pair import make_coded_gather, make_gather, make_gather_pieces  # noqa: F401  (re-exported)
+from qsdp_jax._src.packing import split_flat
 from qsdp_jax._src.payload import (  # noqa: F401  (the wire format; re-exported for callers of collectives)
     cpu_boundary,
     dequantize_rows,
@@ -102,7 +104,9 @@ def quantized_all_gather(
     payload = quantize_payload(
         shard, bits=bits, bucket=bucket, grid=grid, rounding=rounding, key=key, kernels=kernels, stats_dtype=stats_dtype
     )
-    return all_gather_payload(payload, n, bits=bits, bucket=bucket, axis_name=axis_name, kernels=kernels, stats_dtype=stats_dtype)
+    return all_gather_payload(
+        payload, n, bits=bits, bucket=bucket, axis_name=axis_name, kernels=kernels, stats_dtype=stats_dtype
+    )
 
 
 def all_gather_payload(payload, n, *, bits, bucket, axis_name, kernels="auto", stats_dtype="float32") -> jax.Array:
@@ -331,19 +335,37 @@ class GatherSpec:
             stats_dtype=self.stats_dtype,
         )
 
-    def gather_payload(self, payload, n):
-        """The forward collective of code-held weights (``"qsdp"`` mode): all-gather a payload
-        of ``n`` elements built from the stored codes and grid (:func:`all_gather_payload`)."""
-        assert self.weight_bits is not None  # code-held weights are gridded
-        return all_gather_payload(
-            payload,
-            n,
+    def gather_pieces(self, shard, grid, spans):
+        """:meth:`gather` cut into pieces: for each ``(offset, size)`` of ``spans`` (offsets
+        whole buckets), the float32 ``(senders, size)`` piece of every device's shard. A
+        quantized gather decodes its payloads straight into the pieces (no full buffer).
+
+        Raises:
+          ValueError: as :meth:`gather`.
+        """
+        if self.weight_mode == "full":
+            return split_flat(self.gather(shard, grid).reshape(-1, shard.shape[-1]), spans)
+        if self.weight_mode == "qsdp" and grid is None:
+            raise ValueError("weight_mode='qsdp' gathers need the grid the shard lies on")
+        assert self.weight_bits is not None  # QSDPConfig: 'qsdp' / 'comm' weights have bits
+        payload = quantize_payload(
+            shard,
             bits=self.weight_bits,
             bucket=self.bucket,
-            axis_name=self.axis_name,
+            grid=grid if self.weight_mode == "qsdp" else None,
+            rounding="nearest",
             kernels=self.kernels,
             stats_dtype=self.stats_dtype,
         )
+        return self.payload_pieces(payload, shard.shape[-1], spans)
+
+    def payload_pieces(self, payload, n, spans):
+        """:meth:`gather_pieces` of a built payload of ``n`` elements (code-held weights send
+        their stored codes and grid as they are)."""
+        assert self.weight_bits is not None  # a payload holds codes
+        rows = lax.all_gather(payload, self.axis_name, axis=0, tiled=False)  # (N, payload)
+        kw = dict(bits=self.weight_bits, bucket=self.bucket, kernels=self.kernels, stats_dtype=self.stats_dtype)
+        return dequantize_spans(rows, n, spans, **kw)
 
     def reduce_scatter(self, full, key):
         """The backward collective: reduce-scatter (sum) ``full`` as this spec says.
@@ -372,56 +394,3 @@ class GatherSpec:
             rotation=self.grad_rotation,
             stats_dtype=self.stats_dtype,
         )
-
-
-@functools.lru_cache(maxsize=None)
-def make_gather(spec: GatherSpec):
-    """The differentiable gather of ``spec``: a ``custom_vjp`` pairing the two collectives.
-
-    Cached: one function per (hashable) spec.
-
-    Args:
-      spec: the :class:`GatherSpec`.
-
-    Returns:
-      The function ``gather(shard, grid, key) -> full``. Forward ``spec.gather(shard, grid)``;
-      backward reduce-scatters the cotangent (as float32) with ``spec.reduce_scatter`` under
-      ``key`` (summed over devices, not averaged). ``grid`` and ``key`` get no gradient.
-    """
-
-    @jax.custom_vjp
-    def gather(shard, grid, key):
-        return spec.gather(shard, grid)
-
-    def fwd(shard, grid, key):
-        return spec.gather(shard, grid), key
-
-    def bwd(key, ct):
-        return spec.reduce_scatter(ct.astype(jnp.float32), key), None, None
-
-    gather.defvjp(fwd, bwd)
-    return gather
-
-
-@functools.lru_cache(maxsize=None)
-def make_coded_gather(spec):
-    """:func:`make_gather` for code-held weights: ``gather(anchor, payload, key) -> full``.
-
-    Forward ``spec.gather_payload(payload, len(anchor))``: the payload (the stored codes and the
-    grid) travels as it is; ``anchor`` is a zero buffer of the shard's shape that the forward
-    never reads, the differentiated input: the backward reduce-scatters the cotangent into its
-    gradient as :func:`make_gather` does. ``payload`` and ``key`` get no gradient.
-    """
-
-    @jax.custom_vjp
-    def gather(anchor, payload, key):
-        return spec.gather_payload(payload, anchor.shape[-1])
-
-    def fwd(anchor, payload, key):
-        return spec.gather_payload(payload, anchor.shape[-1]), key
-
-    def bwd(key, ct):
-        return spec.reduce_scatter(ct.astype(jnp.float32), key), None, None
-
-    gather.defvjp(fwd, bwd)
-    return gather

@@ -10,7 +10,9 @@ Usage::
     state, metrics = step(state, batch)
 
 ``state.params`` is the model's own pytree of global arrays, each leaf sharded over the FSDP
-axis by the rule of :mod:`qsdp_jax.layout`; the optimizer state is sharded like its params
+axis by the rule of :mod:`qsdp_jax.layout` (with ``QSDPConfig(weight_storage="codes")`` a gridded
+leaf is held as its packed codes, :mod:`qsdp_jax._src.weight_codes`; :func:`gather_params`
+decodes); the optimizer state is sharded like its params
 (:mod:`qsdp_jax._src.state_specs`). ``loss_fn(p: ParamAccess, batch) -> loss`` (or ``(loss, aux)``
 with ``has_aux=True``) reads its parameters through ``p.gather(group)`` / ``p.scan(group, body,
 carry)`` (``qsdp_jax.access``). One step:
@@ -43,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from qsdp_jax import optim as qoptim
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.grid import layout_context
-from qsdp_jax._src.guards import CheckedStep, check_params, check_stacked, warn_padding
+from qsdp_jax._src.guards import CheckedStep, check_batch, check_params, check_stacked, warn_padding
 from qsdp_jax._src.hierarchy import device_mean, mesh_sizes
 from qsdp_jax._src.sharded_access import ShardedParams  # noqa: F401  (re-exported)
 from qsdp_jax.layout import ParamLayout
@@ -239,7 +241,6 @@ def _local_grads(loss_fn, layout: ParamLayout, config: QSDPConfig, has_aux: bool
 
     def local(step, stored, grid, batch):
         params, codes = wc.anchors(stored, layout, config)
-        codes = codes if any(c is not None for c in codes) else None
 
         def objective(p):
             out = loss_fn(ShardedParams(layout, p, grid or None, step, config, codes), batch)
@@ -306,7 +307,7 @@ def make_train_step(
     axes, batch_axes = config.shard_axes, config.batch_axes
 
     def step_fn(state: TrainState, batch):
-        _check_batch(batch, n_dev)
+        check_batch(batch, n_dev)
         layout = state.layout
         pspecs = layout.specs(axes)
         wc.check_stored(state.params, state.layout, config)
@@ -348,7 +349,8 @@ def _update(optimizer, config: QSDPConfig, mesh: Mesh, layout: ParamLayout, stat
         finite = qoptim.all_finite(grads)
         updates, new_opt = optimizer.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        # the new weights too: an update can overflow (e.g. float16 leaves) on finite grads
+        # the new weights too (before the snap, whose codes are always finite): an update can
+        # overflow (e.g. float16 leaves) on finite grads
         finite = finite & qoptim.all_finite(new_params)
         if config.weight_mode == "qsdp":
             new_params = qoptim.snap_to_grid(new_params, new_opt, config)
@@ -392,17 +394,16 @@ def make_eval_step(
     """
     _check_config(config)
     _, n_dev = mesh_sizes(mesh, config)
-    axes, batch_axes = config.shard_axes, config.batch_axes
+    batch_axes = config.batch_axes
 
     def eval_fn(state: TrainState, batch):
-        _check_batch(batch, n_dev)
+        check_batch(batch, n_dev)
         layout = state.layout
         wc.check_stored(state.params, state.layout, config)
         grid = _grid_for_step(state.opt_state, config)
 
         def local(step, stored, grid, batch):
             params, codes = wc.anchors(stored, layout, config)
-            codes = codes if any(c is not None for c in codes) else None
             loss = loss_fn(ShardedParams(layout, params, grid or None, step, config, codes), batch)
             return lax.pmean(loss, batch_axes)
 
@@ -423,27 +424,10 @@ def make_eval_step(
     return CheckedStep(jax.jit(eval_fn))
 
 
-def _check_batch(batch, n: int):
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-        raise ValueError("the batch is empty")
-    sizes = {x.shape[0] for x in leaves if x.ndim}
-    if len(sizes) > 1:
-        raise ValueError(
-            f"batch leaves have different leading (batch) sizes {sorted(sizes)}: every leaf must hold the same examples"
-        )
-    for x in leaves:
-        if x.ndim == 0:
-            raise ValueError("every batch leaf needs a leading batch axis; got a scalar")
-        if x.shape[0] % n:
-            raise ValueError(
-                f"the global batch of {x.shape[0]} examples does not divide over {n} devices: use a multiple of {n}"
-            )
-
-
 def gather_params(state: TrainState) -> dict[str, PyTree]:
     """The parameter pytree (the optimizer's values) of a TrainState: ``state.params``, global
-    arrays as they are sharded, copied so that a later donating step does not delete them.
+    arrays as they are sharded, copied so that a later donating step does not delete them
+    (code-held weights decoded: float32-held values, sharded like the leaves).
 
     Args:
       state: a train state.

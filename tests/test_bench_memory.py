@@ -5,6 +5,7 @@ import json
 import pytest
 
 from experiments.bench import memory as bm
+from experiments.shelf.schemes import split_scheme
 
 
 def test_tiny_fp32_memory_shrinks_with_devices_and_sits_above_the_ideal(tmp_path):
@@ -33,5 +34,18 @@ def test_a_bf16_first_moment_saves_two_bytes_of_state_per_parameter(tmp_path):
     saved = (full["state_bytes"] - compact["state_bytes"]) * 8 / full["n_params"]
     assert 1.9 < saved < 2.5  # 2 bytes a parameter; the replicated small leaves save on every device
     assert "B/param" in json.loads(out.read_text())["table"]
-    with pytest.raises(ValueError, match=r"unknown optimizer-state suffix 'nu-int8'"):
-        bm.split_scheme("fp32+nu-int8")
+    with pytest.raises(ValueError, match=r"unknown suffix 'nu-int8'"):
+        split_scheme("fp32+nu-int8")
+    with pytest.raises(ValueError, match=r"\+codes needs a qsdp scheme"):
+        split_scheme("fp32+codes")
+
+
+def test_code_held_weights_row(tmp_path):
+    """+codes: the sharded weights cost 1 byte a parameter at 8 bits instead of 4."""
+    out = tmp_path / "m.json"
+    argv = ["--models", "tiny", "--schemes", "qsdp-W8G8", "qsdp-W8G8+codes", "--devices", "8", "--out", str(out)]
+    assert bm.main(argv) == 0
+    held, coded = json.loads(out.read_text())["rows"]
+    saved = (held["state_bytes"] - coded["state_bytes"]) * 8 / held["n_params"]
+    assert 2.5 < saved < 3.0  # 3 bytes a sharded parameter, less the replicated small leaves
+    assert coded["peak_bytes"] < held["peak_bytes"]

@@ -25,7 +25,6 @@ before its reduce-scatter. Writes ``experiments/results/memory.json`` and prints
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -37,6 +36,7 @@ if TYPE_CHECKING:  # the steps qsdp_jax returns are typed Callable; they forward
     from jax.stages import Wrapped
 
 from experiments.gpt.devices import simulate_cpu_devices
+from experiments.shelf.schemes import base_optimizer, scheme_config, split_scheme
 
 MODELS = ("tiny", "small", "medium", "gpt-125m", "gpt-350m", "gpt-1.3b")
 SCHEMES = ("gspmd", "fp32", "qsdp-W8G8")
@@ -44,22 +44,6 @@ GSPMD = "gspmd"
 DEVICE_COUNTS = (2, 4, 8)
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "memory.json"
 MB = 1e6
-
-
-OPTIONS = ("codes", "mu-bf16")
-"""Scheme suffixes: ``+codes`` holds QSDP's on-grid weights as their codes
-(``QSDPConfig(weight_storage="codes")``), ``+mu-bf16`` keeps adam's first moment in bfloat16."""
-
-
-def split_scheme(scheme: str) -> tuple[str, frozenset[str]]:
-    """``"qsdp-W8G8+codes+mu-bf16"`` -> ``("qsdp-W8G8", {"codes", "mu-bf16"})``."""
-    name, *options = scheme.split("+")
-    for o in options:
-        if o not in OPTIONS:
-            raise ValueError(f"scheme {scheme!r}: unknown suffix {o!r}; known: {list(OPTIONS)}")
-    if "codes" in options and not name.startswith("qsdp"):
-        raise ValueError(f"scheme {scheme!r}: +codes needs a qsdp scheme (weights on a grid)")
-    return name, frozenset(options)
 
 
 def peak_bytes(m) -> int:
@@ -111,7 +95,6 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
     (bytes per device)."""
     import jax
     import jax.numpy as jnp
-    import optax
 
     import qsdp_jax as q
     from experiments.gpt.model import GPT, GPTConfig  # imports jax: after simulate_cpu_devices
@@ -129,17 +112,14 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
         for k in ("inputs", "targets")
     }
     state: tuple[Any, Any] | q.TrainState  # (params, opt_state) for GSPMD, else a TrainState
-    name, options = split_scheme(scheme)
-    base = optax.adam(1e-3, mu_dtype=jnp.bfloat16 if "mu-bf16" in options else None)
-    if name == GSPMD:
+    base = base_optimizer(scheme, 1e-3)
+    if split_scheme(scheme)[0] == GSPMD:
         opt = base
         state = gspmd_fsdp.abstract_state(model, mesh, opt)
         compiled = gspmd_fsdp.make_step(model, opt, mesh).lower(*state, batch).compile()
         units = gspmd_units(model, state[0])
     else:
-        cfg = q.QSDPConfig.from_name(name)
-        if "codes" in options:
-            cfg = dataclasses.replace(cfg, weight_storage="codes")
+        cfg = scheme_config(scheme)
         opt = optim.qsdp(base, cfg)
         state = q.abstract_train_state(model.abstract_params(), opt, mesh, cfg, stacked=model.stacked_groups)
         compiled = cast("Wrapped", q.make_train_step(model.loss, opt, mesh, cfg)).lower(state, batch).compile()
@@ -172,7 +152,7 @@ def table(rows: list[dict]) -> str:
     peak over the gspmd row's peak of the same model and device count, where there is one."""
     gspmd = {(r["model"], r["n_devices"]): r["peak_bytes"] for r in rows if r["scheme"] == GSPMD}
     head = (
-        f"{'model':<9}{'params':>8} {'scheme':<18}{'dev':>4}{'state':>9}{'B/param':>8}{'ideal 1-2 layers':>19}"
+        f"{'model':<9}{'params':>8} {'scheme':<25}{'dev':>4}{'state':>9}{'B/param':>8}{'ideal 1-2 layers':>19}"
         f"{'peak':>9}{'peak/ideal2':>12}{'temp':>9}{'vs gspmd':>10}"
     )
     lines = [head, "-" * len(head)]
@@ -186,7 +166,7 @@ def table(rows: list[dict]) -> str:
         vs = f"{r['peak_bytes'] / base:.2f}x" if base else "-"
         per_param = r["state_bytes"] * r["n_devices"] / r["n_params"]  # state bytes per parameter
         lines.append(
-            f"{r['model']:<9}{r['n_params'] / 1e6:>7.1f}M {r['scheme']:<18}{r['n_devices']:>4}"
+            f"{r['model']:<9}{r['n_params'] / 1e6:>7.1f}M {r['scheme']:<25}{r['n_devices']:>4}"
             f"{r['state_bytes'] / MB:>9.1f}{per_param:>8.2f}{ideal:>19}{r['peak_bytes'] / MB:>9.1f}"
             f"{r['peak_bytes'] / r['ideal_2_layers_bytes']:>11.2f}x{r['temp_bytes'] / MB:>9.1f}"
             f"{vs:>10}"

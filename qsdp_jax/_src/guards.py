@@ -5,7 +5,9 @@
 * :func:`warn_padding`: a bucket far larger than the leaves multiplies the memory silently;
 * :class:`CheckedStep`: calling a step with a state donated to an earlier call is a Python error
   (it could segfault);
-* :func:`check_mesh`: a state placed on another mesh than the step's is a clear error.
+* :func:`check_mesh`: a state placed on another mesh than the step's is a clear error;
+* :func:`check_batch`: an empty batch, a scalar leaf or a batch that does not split over the
+  devices is a clear error.
 
 The checks name what they find through a ``label`` function of the leaf's key path, so the
 Flax NNX front door (``qsdp_jax.nnx``) reports module paths and ``nnx.Param`` where the
@@ -134,3 +136,22 @@ def warn_padding(layout: ParamLayout, config: QSDPConfig) -> None:
             "bandwidth): use a smaller bucket_size or a larger min_shard_size",
             stacklevel=3,
         )
+
+
+def check_batch(batch, n: int):
+    """A clear error for a batch the step cannot split over ``n`` devices."""
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("the batch is empty")
+    sizes = {x.shape[0] for x in leaves if x.ndim}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"batch leaves have different leading (batch) sizes {sorted(sizes)}: every leaf must hold the same examples"
+        )
+    for x in leaves:
+        if x.ndim == 0:
+            raise ValueError("every batch leaf needs a leading batch axis; got a scalar")
+        if x.shape[0] % n:
+            raise ValueError(
+                f"the global batch of {x.shape[0]} examples does not divide over {n} devices: use a multiple of {n}"
+            )

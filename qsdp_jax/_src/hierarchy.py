@@ -45,10 +45,12 @@ from jax import lax
 from jax.sharding import Mesh
 
 from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.packing import split_flat
 from qsdp_jax.collectives import (
     GatherSpec,
     all_gather_fp,
     dequantize_payloads,
+    dequantize_spans,
     quantize_payload,
     quantized_all_gather,
     quantized_reduce_scatter,
@@ -122,7 +124,8 @@ def two_level_all_gather(
         payload = quantize_payload(
             shard, bits=outer_bits, bucket=bucket, kernels=kernels, grid=grid if weight_mode == "qsdp" else None
         )
-        return forward_payload(payload, c, outer_axis=outer_axis, inner_axis=inner_axis, bits=outer_bits, bucket=bucket, kernels=kernels)
+        rows = forward_rows(payload, outer_axis=outer_axis, inner_axis=inner_axis)
+        return dequantize_payloads(rows, c, bits=outer_bits, bucket=bucket, kernels=kernels)
     kw = dict(mode=weight_mode, bucket=bucket, fp_dtype=fp_dtype, kernels=kernels)
     across = _gather_level(shard, bits=outer_bits, axis_name=outer_axis, grid=grid, **kw)  # (N*c,)
     both = _gather_level(across, bits=inner_bits, axis_name=inner_axis, **kw)  # (L*N*c,) local-major
@@ -130,13 +133,12 @@ def two_level_all_gather(
     return jnp.swapaxes(both.reshape(-1, n, c), 0, 1).reshape(-1)
 
 
-def forward_payload(payload, c: int, *, outer_axis, inner_axis, bits, bucket, kernels="auto") -> jax.Array:
-    """A payload of ``c`` elements gathered across nodes, then forwarded as it is inside the
-    node, and dequantized: the float32 full buffer, node-major."""
+def forward_rows(payload, *, outer_axis, inner_axis) -> jax.Array:
+    """A payload gathered across nodes, then forwarded as it is inside the node: every device's
+    payload, node-major ``(N * L, P)``."""
     across = lax.all_gather(payload, outer_axis, axis=0, tiled=False)  # (N, P)
     both = lax.all_gather(across, inner_axis, axis=0, tiled=False)  # (L, N, P)
-    nodes_first = jnp.swapaxes(both, 0, 1).reshape(-1, both.shape[-1])  # (N * L, P)
-    return dequantize_payloads(nodes_first, c, bits=bits, bucket=bucket, kernels=kernels)
+    return jnp.swapaxes(both, 0, 1).reshape(-1, both.shape[-1])  # (N * L, P)
 
 
 def two_level_reduce_scatter(
@@ -289,20 +291,27 @@ class TwoLevelSpec:
             kernels=self.kernels,
         )
 
-    def gather_payload(self, payload, n):
-        """The gather of code-held weights' payload (``"qsdp"`` mode: one grid, both levels
+    def gather_pieces(self, shard, grid, spans):
+        """:meth:`gather` cut into pieces (``GatherSpec.gather_pieces``): one quantization
+        forwarded by both levels is decoded straight into them."""
+        if self.hybrid:
+            return self._inner_1d().gather_pieces(shard, grid, spans)
+        bits = self.outer_weight_bits
+        if bits is None or bits != self.inner_weight_bits:  # full or per-level bits: the buffer
+            return split_flat(self.gather(shard, grid).reshape(-1, shard.shape[-1]), spans)
+        if self.weight_mode == "qsdp" and grid is None:
+            raise ValueError("weight_mode='qsdp' gathers need the grid the shard lies on")
+        qsdp = self.weight_mode == "qsdp"
+        payload = quantize_payload(shard, bits=bits, bucket=self.bucket, kernels=self.kernels, grid=grid if qsdp else None)
+        return self.payload_pieces(payload, shard.shape[-1], spans)
+
+    def payload_pieces(self, payload, n, spans):
+        """:meth:`gather_pieces` of a built payload (``"qsdp"`` mode: one grid, both levels
         forward its codes)."""
         if self.hybrid:
-            return self._inner_1d().gather_payload(payload, n)
-        return forward_payload(
-            payload,
-            n,
-            outer_axis=self.outer_axis,
-            inner_axis=self.inner_axis,
-            bits=self.inner_weight_bits,
-            bucket=self.bucket,
-            kernels=self.kernels,
-        )
+            return self._inner_1d().payload_pieces(payload, n, spans)
+        rows = forward_rows(payload, outer_axis=self.outer_axis, inner_axis=self.inner_axis)
+        return dequantize_spans(rows, n, spans, bits=self.inner_weight_bits, bucket=self.bucket, kernels=self.kernels)
 
     def reduce_scatter(self, full, key):
         if not self.hybrid:

@@ -7,8 +7,9 @@ whatever its number of leaves, and quantization is batched. Inside ``shard_map``
 * :func:`pack` (copy-in): each leaf's local block, flattened row-major and zero-padded to
   whole buckets, concatenated in slot order: one device's ``(chunk,)`` buffer. Its buckets are
   exactly the leaves' own buckets (``ParamLayout``), so a leaf's grid is the buffer's grid.
-* :func:`unpack` (copy-out): the gathered ``(num_shards * chunk,)`` buffer cut back into every
-  device's blocks and joined on each leaf's split dimension: the full leaves.
+* :func:`unpack` (copy-out): the gathered buffer's pieces (every device's block of each leaf,
+  which the quantized gathers decode straight into, :func:`qsdp_jax.collectives.make_gather_pieces`)
+  joined on each leaf's split dimension: the full leaves.
 
 Both are plain array ops, so autodiff transposes them: the gradient of the full leaves is packed
 into one buffer for the reduce-scatter, and the reduce-scattered chunk is cut into the local
@@ -48,27 +49,31 @@ def pack(buffer: Buffer, blocks: Sequence[jax.Array], bucket: int, lead: int = 0
 
 
 def unpack(
-    buffer: Buffer, full: jax.Array, num_shards: int, dims: Sequence[int], shapes: Sequence[tuple[int, ...]]
+    buffer: Buffer, pieces: Sequence[jax.Array], num_shards: int, dims: Sequence[int], shapes: Sequence[tuple[int, ...]]
 ) -> dict[int, jax.Array]:
-    """The full leaves of ``buffer`` from its gathered buffer.
+    """The full leaves of ``buffer`` from its gathered pieces.
 
     Args:
-      full: ``(*lead, num_shards * chunk)``: every device's chunk, in device order.
+      pieces: per slot, ``(*lead, num_shards, slot.size)``: every device's block, in device
+        order (what ``split_flat`` cuts from the gathered buffer, or a gather decodes into).
       dims: per slot, the dimension of the leaf's (per-layer) shape it is split on.
       shapes: per slot, the leaf's full (per-layer) shape.
 
     Returns:
       ``{leaf index: (*lead, *shape) array in the leaf's dtype}``.
     """
-    lead = full.shape[:-1]
-    blocks = full.reshape(*lead, num_shards, buffer.chunk)
-    pieces = split_flat(blocks, tuple((s.offset, s.size) for s in buffer.slots))
     out = {}
     for s, piece, dim, shape in zip(buffer.slots, pieces, dims, shapes):
+        lead = piece.shape[:-2]
         x = piece.reshape(*lead, num_shards, *s.shape)
         x = jnp.moveaxis(x, len(lead), len(lead) + dim).reshape(*lead, *shape)
         out[s.index] = x.astype(s.dtype)
     return out
+
+
+def spans(buffer: Buffer) -> tuple[tuple[int, int], ...]:
+    """``(offset, size)`` of each slot's block in one device's chunk of ``buffer``."""
+    return tuple((s.offset, s.size) for s in buffer.slots)
 
 
 def split_flat(flat: jax.Array, spans: tuple[tuple[int, int], ...]) -> tuple[jax.Array, ...]:
@@ -93,16 +98,22 @@ def _split_fwd(flat, spans, total):
 
 
 def _split_bwd(spans, total, _, cts):
-    lead, dtype = cts[0].shape[:-1], cts[0].dtype
+    return (join_pieces(cts, spans, total),)
+
+
+def join_pieces(pieces: Sequence[jax.Array], spans: tuple[tuple[int, int], ...], total: int) -> jax.Array:
+    """The inverse of :func:`split_flat`: the pieces at their ``(offset, size)`` spans of a
+    ``(..., total)`` buffer, zeros in the gaps (one concatenation)."""
+    lead, dtype = pieces[0].shape[:-1], pieces[0].dtype
     parts, end = [], 0
-    for (o, n), ct in zip(spans, cts):
+    for (o, n), piece in zip(spans, pieces):
         if o > end:
             parts.append(jnp.zeros((*lead, o - end), dtype))
-        parts.append(jnp.asarray(ct, dtype))
+        parts.append(jnp.asarray(piece, dtype))
         end = o + n
     if total > end:
         parts.append(jnp.zeros((*lead, total - end), dtype))
-    return (jnp.concatenate(parts, axis=-1),)
+    return jnp.concatenate(parts, axis=-1)
 
 
 _split.defvjp(_split_fwd, _split_bwd)

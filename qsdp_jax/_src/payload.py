@@ -81,6 +81,15 @@ def payload_kernels(qt: qz.QTensor, stats_dtype: str = "float32") -> jax.Array:
     return cpu_boundary(build, qz.to_buckets(qt.codes, qt.bucket), qt.scales, qt.offsets)
 
 
+def pack_codes(qt: qz.QTensor) -> jax.Array:
+    """``pack_bits(qt.codes)``; below 8 bits behind :func:`cpu_boundary`, which receives the codes
+    by bucket (:func:`payload_kernels`' packing, without the payload around it)."""
+    if qt.bits == 8:
+        return qt.codes
+    lead, n = qt.codes.shape[:-1], qt.codes.shape[-1]
+    return cpu_boundary(lambda c: qz.pack_bits(c.reshape(*lead, n), qt.bits), qz.to_buckets(qt.codes, qt.bucket))
+
+
 def payload_from_packed(
     packed: jax.Array, scales: jax.Array, offsets: jax.Array, stats_dtype: str = "float32"
 ) -> jax.Array:
@@ -137,15 +146,28 @@ def dequantize_rows(
     """
 
     def values(p):
-        packed, scales, offsets = split_payload(p, n, bits, bucket, stats_dtype)
-        codes = qz.unpack_groups(packed.reshape(*packed.shape[:-1], n // bucket, -1), bits)
-        v = offsets[..., None, None] + codes.astype(jnp.float32) * scales[..., None, None]
+        v = _bucketed_values(*split_payload(p, n, bits, bucket, stats_dtype), n, bits, bucket)
         return sum_rows(v) if summed else v  # (..., buckets, groups, codes per group)
 
     if bucket % 8:  # buckets that do not pack into whole bytes: the flat unpacking
         v = from_payload(payloads, n, bits, bucket, stats_dtype).dequantize()
         return sum_rows(v) if summed else v
     out = cpu_boundary(values, payloads)
+    return out.reshape(*out.shape[:-3], n)
+
+
+def _bucketed_values(packed, scales, offsets, n: int, bits: int, bucket: int) -> jax.Array:
+    """``offset + code * scale`` of ``n`` packed codes, shaped ``(..., buckets, groups, codes per
+    group)`` (:func:`qz.unpack_groups`)."""
+    codes = qz.unpack_groups(packed.reshape(*packed.shape[:-1], n // bucket, -1), bits)
+    return offsets[..., None, None] + codes.astype(jnp.float32) * scales[..., None, None]
+
+
+def dequantize_parts(packed: jax.Array, scales: jax.Array, offsets: jax.Array, n: int, bits: int, bucket: int):
+    """The jnp receive of split parts: packed codes ``(..., packed_size(n))`` and their stats
+    ``(..., n // bucket)`` -> float32 ``(..., n)``, behind :func:`cpu_boundary` as
+    :func:`dequantize_rows` (same bits); ``bucket`` a multiple of 8."""
+    out = cpu_boundary(lambda p, s, o: _bucketed_values(p, s, o, n, bits, bucket), packed, scales, offsets)
     return out.reshape(*out.shape[:-3], n)
 
 

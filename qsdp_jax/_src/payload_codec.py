@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from qsdp_jax import kernels as qk
 from qsdp_jax._src import quantizers as qz
-from qsdp_jax._src.payload import dequantize_rows, payload_from_packed, split_payload, to_payload
+from qsdp_jax._src.payload import dequantize_parts, dequantize_rows, payload_from_packed, split_payload, to_payload
 
 
 def stats_kernels(kernels: str, stats_dtype: str) -> str:
@@ -59,3 +59,28 @@ def dequantize_payloads(payloads, n, *, bits, bucket, kernels="auto", stats_dtyp
         payloads,
         bucket=bucket,
     )
+
+
+def dequantize_spans(payloads, n, spans, *, bits, bucket, kernels="auto", stats_dtype="float32") -> tuple:
+    """``(senders, payload)`` uint8 rows of ``n`` elements each -> for each ``(offset, size)`` of
+    ``spans`` (offsets whole buckets) the float32 ``(senders, size)`` piece of every sender's
+    values: what ``dequantize_payloads(...)`` holds at those places, decoded straight into the
+    pieces (no full float buffer)."""
+    packed, scales, offsets = split_payload(payloads, n, bits, bucket, stats_dtype)
+    out = []
+    for o, size in spans:
+        m = -(-size // bucket) * bucket  # the piece's whole buckets
+        parts = (
+            packed[..., qz.packed_size(o, bits) : qz.packed_size(o + m, bits)],
+            scales[..., o // bucket : (o + m) // bucket],
+            offsets[..., o // bucket : (o + m) // bucket],
+        )
+        values = qk.select(
+            kernels,
+            lambda p, s, f, m=m: dequantize_parts(p, s, f, m, bits, bucket),
+            lambda p, s, f, target, m=m: qk.unpack_dequantize(p, s, f, bits, bucket, m, target=target),
+            *parts,
+            bucket=bucket,
+        )
+        out.append(values[..., :size])
+    return tuple(out)

@@ -10,6 +10,10 @@ one call of ``fn`` and again in its backward pass (:mod:`qsdp_jax._src.regather`
 ``scan(group, ...)`` does the same one layer at a time inside a rematerialised ``lax.scan`` body,
 so peak memory holds one layer.
 
+Code-held weights (:mod:`qsdp_jax._src.weight_codes`): the payload of a code-held buffer is built
+from the stored codes and grid and gathered as it is (:func:`qsdp_jax.collectives.make_coded_gather`);
+the blocks given as ``params`` are then zero anchors that carry the gradient.
+
 Gradient-quantization keys are ``derive_key(seed, GRAD, step, group, layer[, buffer])`` folded
 with the sender's index: the backward re-gather and every resumed run see the same randomness.
 """
@@ -25,7 +29,7 @@ from jax import lax
 from qsdp_jax._src import packing
 from qsdp_jax._src import quantizers as qz
 from qsdp_jax._src.regather import regathered, tie
-from qsdp_jax.collectives import make_coded_gather, make_gather, payload_from_packed
+from qsdp_jax.collectives import make_coded_gather, make_gather_pieces, payload_from_packed
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.hierarchy import gather_spec
 from qsdp_jax._src.policy import Buffer
@@ -69,16 +73,19 @@ class ShardedParams:
             return qz.derive_key(self._config.seed, PURPOSE_GRAD, self._step, gi, layer)
         return qz.derive_key(self._config.seed, PURPOSE_GRAD, self._step, gi, layer, buffer.index)
 
-    def _gather_buffer(self, buffer: Buffer, flat, grid, key):
-        """One buffer's gather (its gradient's reduce-scatter in the backward), at its bits."""
+    def _spec(self, buffer: Buffer):
         config = self._config if buffer.bits is None else self._config.buffer_config(*buffer.bits)
-        return make_gather(gather_spec(config))(flat, grid, key)
+        return gather_spec(config)
 
-    def _gather_coded(self, buffer: Buffer, anchor, payload, key):
+    def _gather_buffer(self, buffer: Buffer, flat, grid, key) -> tuple:
+        """One buffer's gather (its gradient's reduce-scatter in the backward), at its bits:
+        every device's block of each of its leaves (``packing.unpack``'s pieces)."""
+        return make_gather_pieces(self._spec(buffer), packing.spans(buffer), buffer.chunk)(flat, grid, key)
+
+    def _gather_coded(self, buffer: Buffer, anchor, payload, key) -> tuple:
         """A code-held buffer's gather of its stored codes (its gradient's reduce-scatter into
-        ``anchor``'s gradient in the backward)."""
-        config = self._config if buffer.bits is None else self._config.buffer_config(*buffer.bits)
-        return make_coded_gather(gather_spec(config))(anchor, payload, key)
+        ``anchor``'s gradient in the backward), as :meth:`_gather_buffer`."""
+        return make_coded_gather(self._spec(buffer), packing.spans(buffer), buffer.chunk)(anchor, payload, key)
 
     def _has_grid(self, buffer: Buffer) -> bool:
         return self._grid is not None and buffer.resolved_bits(self._config)[0] is not None
@@ -106,11 +113,11 @@ class ShardedParams:
                 assert grid is not None  # code-held leaves are gridded
                 packed = jnp.concatenate([codes[s.index].reshape(-1) for s in b.slots])
                 payload = payload_from_packed(packed, *grid)
-                full = self._gather_coded(b, flat, payload, key)
+                pieces = self._gather_coded(b, flat, payload, key)
             else:
-                full = self._gather_buffer(b, flat, grid, key)
+                pieces = self._gather_buffer(b, flat, grid, key)
             leaves = [g.leaves[s.index] for s in b.slots]
-            got = packing.unpack(b, full, n, [x.dim for x in leaves], [x.shape for x in leaves])
+            got = packing.unpack(b, pieces, n, [x.dim for x in leaves], [x.shape for x in leaves])
             for i, x in got.items():
                 out[i] = x
         return jax.tree_util.tree_unflatten(g.treedef, out)

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from qsdp_jax import kernels as qk
 from qsdp_jax._src import grid as qgrid
 from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.payload import dequantize_parts, pack_codes
 from qsdp_jax.layout import ParamLayout, leaf_spec
 
 PyTree = Any
@@ -60,7 +61,9 @@ def storage_specs(layout: ParamLayout, config) -> dict[str, PyTree]:
     a code-held leaf, the leaf's own spec otherwise."""
     axes = config.shard_axes
     bits = coded(layout, config)
-    return layout.unflatten([leaf_spec(g, x, axes) if b is None else P(None, axes) for (g, x), b in zip(layout.leaves(), bits)])
+    return layout.unflatten(
+        [leaf_spec(g, x, axes) if b is None else P(None, axes) for (g, x), b in zip(layout.leaves(), bits)]
+    )
 
 
 def values_like(layout: ParamLayout) -> dict[str, PyTree]:
@@ -79,7 +82,9 @@ def stored_like(layout: ParamLayout, config) -> dict[str, PyTree]:
     for i, ((g, x), b) in enumerate(zip(layout.leaves(), coded(layout, config))):
         if b is not None:
             rows = max(g.n_layers, 1) if g.stacked else 1
-            out[i] = jax.ShapeDtypeStruct((rows, layout.num_shards * code_width(x.buckets, layout.bucket, b)), jnp.uint8)
+            out[i] = jax.ShapeDtypeStruct(
+                (rows, layout.num_shards * code_width(x.buckets, layout.bucket, b)), jnp.uint8
+            )
     return layout.unflatten(out)
 
 
@@ -115,7 +120,7 @@ def encode(params: dict, opt_state, config, layout: ParamLayout) -> dict:
         b = geo.bits
         return qk.select(
             config.kernels,
-            lambda r, s, o: qz.pack_bits(qz.quantize_on_grid(r, s, o, b, bucket).codes, b),
+            lambda r, s, o: pack_codes(qz.quantize_on_grid(r, s, o, b, bucket)),
             lambda r, s, o, target: qk.grid_pack(r, s, o, b, bucket, target=target),
             qgrid.rows_of(x, geo, bucket),
             s,
@@ -154,7 +159,7 @@ def decode(stored: dict, opt_state, config, layout: ParamLayout) -> dict:
         b, n = geo.bits, geo.buckets * bucket
         values = qk.select(
             config.kernels,
-            lambda c, s, o: qz.dequantize(qz.unpack_bits(c, b, n), s, o, bucket),
+            lambda c, s, o: dequantize_parts(c, s, o, n, b, bucket),
             lambda c, s, o, target: qk.unpack_dequantize(c, s, o, b, bucket, n, target=target),
             c,
             s,
@@ -175,15 +180,16 @@ def decode(stored: dict, opt_state, config, layout: ParamLayout) -> dict:
     return layout.unflatten(out)
 
 
-def anchors(stored_blocks: dict, layout: ParamLayout, config) -> tuple[dict, list]:
+def anchors(stored_blocks: dict, layout: ParamLayout, config) -> tuple[dict, list | None]:
     """Inside the step's ``shard_map``: ``(differentiated blocks, codes)`` of this device's
     ``TrainState.params`` blocks. A code-held leaf's differentiated block is a zero of the leaf
     block's shape and dtype (its gradient is the reduce-scattered one; the forward pass reads the
     codes, never it), the others' their own blocks; ``codes`` lists, in leaf order, each
-    code-held leaf's codes block and None for the others."""
+    code-held leaf's codes block and None for the others (None when no leaf is code-held)."""
     leaves = jax.tree_util.tree_leaves(stored_blocks)
     bits = coded(layout, config)
-    diff, codes = [], []
+    diff: list = []
+    codes: list = []
     for i, (x, b) in enumerate(zip(leaves, bits)):
         if b is None:
             diff.append(x)
@@ -191,7 +197,7 @@ def anchors(stored_blocks: dict, layout: ParamLayout, config) -> tuple[dict, lis
         else:
             diff.append(jnp.zeros(_block_shape(layout, i), jnp.dtype(layout.leaves()[i][1].dtype)))
             codes.append(x)
-    return layout.unflatten(diff), codes
+    return layout.unflatten(diff), (codes if any(c is not None for c in codes) else None)
 
 
 def check_stored(params: dict, layout: ParamLayout, config) -> None:

@@ -1,0 +1,44 @@
+"""Scheme names of the benchmarks: a ``QSDPConfig`` name with options, e.g. ``qsdp-W8G8+codes``.
+
+``+codes`` holds QSDP's on-grid weights as their codes (``QSDPConfig(weight_storage="codes")``),
+``+mu-bf16`` keeps adam's first moment in bfloat16 (``optax.adam(mu_dtype=jnp.bfloat16)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+OPTIONS = ("codes", "mu-bf16")
+
+
+def split_scheme(scheme: str) -> tuple[str, frozenset[str]]:
+    """``"qsdp-W8G8+codes+mu-bf16"`` -> ``("qsdp-W8G8", {"codes", "mu-bf16"})``.
+
+    Raises:
+      ValueError: an unknown option, or ``+codes`` on a scheme that keeps no weight grid.
+    """
+    name, *options = scheme.split("+")
+    for o in options:
+        if o not in OPTIONS:
+            raise ValueError(f"scheme {scheme!r}: unknown suffix {o!r}; known: {list(OPTIONS)}")
+    if "codes" in options and not name.startswith("qsdp"):
+        raise ValueError(f"scheme {scheme!r}: +codes needs a qsdp scheme (weights on a grid)")
+    return name, frozenset(options)
+
+
+def scheme_config(scheme: str):
+    """The ``QSDPConfig`` of a (non-GSPMD) scheme, its options applied."""
+    import qsdp_jax as q
+
+    name, options = split_scheme(scheme)
+    config = q.QSDPConfig.from_name(name)
+    return dataclasses.replace(config, weight_storage="codes") if "codes" in options else config
+
+
+def base_optimizer(scheme: str, learning_rate: float):
+    """``optax.adam(learning_rate)`` with the scheme's moment option."""
+    import jax.numpy as jnp
+    import optax
+
+    _, options = split_scheme(scheme)
+    return optax.adam(learning_rate, mu_dtype=jnp.bfloat16 if "mu-bf16" in options else None)
