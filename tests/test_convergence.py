@@ -228,3 +228,23 @@ def test_a_real_run_on_the_second_corpus_then_resume(tmp_path, capsys):
     assert (root / "kjv" / "fp32" / "seed0.json").read_bytes() == first  # kept, not retrained
     s = json.loads((tmp_path / "convergence.json").read_text())
     assert s["corpora"]["kjv"]["configs"][0]["bits_per_element"] == pytest.approx(32.0)
+
+
+def test_run_fields_of_a_configuration_reach_the_run_and_its_optimizer():
+    """A configuration's ``run`` fields (adam's first moment in bfloat16) are RunConfig fields,
+    and the trainer's optimizer then holds that moment in bfloat16."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.gpt.trainer import RunConfig, make_optimizer
+
+    for name, spec in runbook.CONFIGS.items():
+        if spec.group != runbook.DROPPED:
+            RunConfig(qsdp=q.QSDPConfig(**spec.qsdp), **dict(spec.run))  # valid fields and values
+    spec = runbook.CONFIGS["qsdp-sr-W8G8-mu-bf16"]
+    run = RunConfig(qsdp=q.QSDPConfig(**spec.qsdp), **dict(spec.run))
+    state = make_optimizer(run).init({"w": jnp.ones((4, 4))})
+    dtypes = {x.dtype for x in jax.tree.leaves(state) if getattr(x, "shape", ()) == (4, 4)}
+    assert dtypes == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}  # mu bf16, nu float32
+    with pytest.raises(ValueError, match=r"RunConfig.mu_dtype='int8' is invalid"):
+        RunConfig(mu_dtype="int8")

@@ -183,3 +183,19 @@ def test_nnx_front_door():
         out.append((losses, np.asarray(model.a.kernel[...])))
     assert out[0][0] == out[1][0]
     np.testing.assert_array_equal(out[0][1], out[1][1])
+
+
+def test_trainer_flags():
+    """--weight-storage codes and --mu-dtype bfloat16 reach the run; codes with --fp32 (no grid)
+    is a clear error; a default run's resume identity is what it was before either existed."""
+    from experiments.gpt.args import CLIError, parse_args
+    from experiments.gpt.run_files import RunCheckpoints
+    from experiments.gpt.setup import build_run_config
+
+    cfg, run = build_run_config(parse_args(["--weight-storage", "codes", "--mu-dtype", "bfloat16"]))
+    assert cfg.weight_storage == "codes" and run.mu_dtype == "bfloat16"
+    with pytest.raises(CLIError, match=r"weight_storage='codes' is invalid"):
+        build_run_config(parse_args(["--fp32", "--weight-storage", "codes"]))
+    _, default = build_run_config(parse_args([]))
+    assert "mu_dtype" not in RunCheckpoints.identity(type("T", (), {"run": default})())
+    assert RunCheckpoints.identity(type("T", (), {"run": run})())["mu_dtype"] == "bfloat16"

@@ -169,6 +169,7 @@ def train_chunk(
             eval_every=settings.eval_every,
             eval_batches=settings.eval_batches,
             data_path=str(data.corpus_text_path(key.corpus)),
+            **dict(spec.run),
         )
         print(f"[{i + 1}/{len(todo)} {key}] training {settings.steps} steps ...", flush=True)
 

@@ -58,10 +58,11 @@ class ConfigSpec:
     qsdp: dict
     group: str
     note: str = ""
+    run: tuple = ()  # RunConfig fields other than the experiment's Settings, e.g. (("mu_dtype", "bfloat16"),)
 
 
-def _spec(name: str, group: str, note: str = "", **qsdp) -> ConfigSpec:
-    return ConfigSpec(name=name, qsdp=qsdp, group=group, note=note)
+def _spec(name: str, group: str, note: str = "", run: tuple = (), **qsdp) -> ConfigSpec:
+    return ConfigSpec(name=name, qsdp=qsdp, group=group, note=note, run=run)
 
 
 _FP = dict(weight_bits=None, grad_bits=None, weight_mode="full")
@@ -229,6 +230,16 @@ CONFIGS: dict[str, ConfigSpec] = {
             bit_policy=(("embed/*", 8, 8),),
             **_SR,
         ),
+        # compact optimizer state: adam's first moment in bfloat16 (2 bytes less per parameter)
+        _spec(
+            "qsdp-sr-W8G8-mu-bf16",
+            "diagnostic",
+            "qsdp-sr-W8G8 with adam's first moment in bfloat16",
+            run=(("mu_dtype", "bfloat16"),),
+            weight_bits=8,
+            grad_bits=8,
+            **_SR,
+        ),
         # dropped: QSDPConfig now refuses these; their records stay in the report
         _spec(
             "qsdp-sr-W4G4-b256-bf16stats",
@@ -260,6 +271,7 @@ LEVERS: tuple[tuple[str, str, str], ...] = (
     ("qsdp-sr-W4G4-emb8", "qsdp-sr-W4G4", "embeddings at 8 bits"),
     ("comm-W4G4", "qsdp-sr-W4G4", "an fp32 master copy (weights quantized for the gather only)"),
     ("qsdp-sr-W8G8", "qsdp-W8G8", "stochastic rounding instead of the paper's shift, 8 bits"),
+    ("qsdp-sr-W8G8-mu-bf16", "qsdp-sr-W8G8", "adam's first moment in bfloat16"),
 )
 """``(configuration, base, what it changes)``: the report gives, per corpus, the paired difference
 of the two configurations' gaps over the seeds both have (experiments.convergence.levers)."""

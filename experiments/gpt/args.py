@@ -72,6 +72,13 @@ def _add_model_training_args(p: argparse.ArgumentParser) -> None:
         help="learning-rate schedule after warmup (default: cosine)",
     )
     t.add_argument(
+        "--mu-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of adam's first moment (default: float32; bfloat16 saves 2 bytes of "
+        "optimizer state per parameter, see docs/results/convergence.md for its accuracy)",
+    )
+    t.add_argument(
         "--warmup",
         type=nonnegative_int,
         default=None,
@@ -160,6 +167,13 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
         "bfloat16 halves their bytes; comm and full weight modes only)",
     )
     qz.add_argument(
+        "--weight-storage",
+        choices=("float32", "codes"),
+        default="float32",
+        help="how the train state holds the gridded weights: float32 (default) or their packed "
+        "codes (a quarter of the bytes at 8 bits, the same training; qsdp weight mode only)",
+    )
+    qz.add_argument(
         "--bit-policy",
         type=parse_bit_policy,
         default=(),
@@ -240,13 +254,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _lever_kwargs(args: argparse.Namespace) -> dict:
-    """``grad_rotation`` / ``stats_dtype`` when their flags are given (absent when off, so the
+    """``grad_rotation`` / ``stats_dtype`` / ``weight_storage`` when their flags are given (absent when off, so the
     kwargs of every other run stay what they were)."""
     out = {}
     if getattr(args, "grad_rotation", None) is not None:
         out["grad_rotation"] = args.grad_rotation
     if getattr(args, "stats_dtype", "float32") != "float32":
         out["stats_dtype"] = args.stats_dtype
+    if getattr(args, "weight_storage", "float32") != "float32":
+        out["weight_storage"] = args.weight_storage
     return out
 
 

@@ -144,6 +144,8 @@ class RunCheckpoints:
         for k in ("qsdp", "qsdp_name", "eval_every", "eval_batches"):
             d.pop(k, None)  # the QSDPConfig is checked field by field on its own
         d.pop("mesh", None)  # a checkpoint restores onto any mesh shape (qsdp_jax.checkpoint)
+        if d.get("mu_dtype") == "float32":  # the default: absent, as in checkpoints made before it
+            d.pop("mu_dtype")
         return d
 
     def latest_step(self) -> int | None:

@@ -89,6 +89,7 @@ def build_run_config(args: argparse.Namespace, mesh: tuple = ()):
             lr=args.lr,
             warmup=warmup,
             schedule=args.schedule,
+            mu_dtype=args.mu_dtype,
             seed=args.seed,
             eval_every=eval_every,
             eval_batches=args.eval_batches,

@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Iterator, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -29,6 +30,7 @@ from qsdp_jax import comm, optim
 from qsdp_jax import nnx as qnnx
 
 SCHEDULES = ("cosine", "constant")
+MU_DTYPES = ("float32", "bfloat16")
 _LOG = logging.getLogger("qsdp_jax")  # qsdp_jax.distributed.enable_process_log writes it to a file
 
 
@@ -47,6 +49,7 @@ class RunConfig:
     schedule: str = "cosine"
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
+    mu_dtype: str = "float32"  # adam's first moment: "float32" or "bfloat16"
     seed: int = 0
     eval_every: int = 100
     eval_batches: int = 8
@@ -78,6 +81,8 @@ class RunConfig:
             raise ValueError(f"RunConfig.min_lr_ratio={self.min_lr_ratio!r} is invalid: must be in [0, 1]")
         if self.weight_decay < 0:
             raise ValueError(f"RunConfig.weight_decay={self.weight_decay!r} is invalid: must be >= 0")
+        if self.mu_dtype not in MU_DTYPES:
+            raise ValueError(f"RunConfig.mu_dtype={self.mu_dtype!r} is invalid: must be one of {MU_DTYPES}")
         self.model_config()  # validates preset and overrides
         _check_mesh(self.mesh, self.qsdp)
 
@@ -130,7 +135,9 @@ def make_schedule(run: RunConfig) -> optax.Schedule:
 
 def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
     lr = make_schedule(run)
-    base = optax.chain(optim.clip_by_global_norm(1.0), optax.adamw(lr, b2=0.99, weight_decay=run.weight_decay))
+    mu_dtype = jnp.bfloat16 if run.mu_dtype == "bfloat16" else None
+    adamw = optax.adamw(lr, b2=0.99, weight_decay=run.weight_decay, mu_dtype=mu_dtype)
+    base = optax.chain(optim.clip_by_global_norm(1.0), adamw)
     return optim.qsdp(base, run.qsdp)
 
 
