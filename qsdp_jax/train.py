@@ -354,7 +354,7 @@ def _update(optimizer, config: QSDPConfig, mesh: Mesh, layout: ParamLayout, stat
         finite = finite & qoptim.all_finite(new_params)
         if config.weight_mode == "qsdp":
             new_params = qoptim.snap_to_grid(new_params, new_opt, config)
-            new_params = wc.encode(new_params, new_opt, config, layout)
+            new_params = wc.encode(new_params, new_opt, config, layout)  # as they are unless code-held
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     new_params = jax.tree.map(keep, new_params, state.params)
     new_opt = jax.tree.map(keep, new_opt, state.opt_state)

@@ -29,6 +29,11 @@ CASES = {
         {"replica": 2, "fsdp": 4},
         lambda: q.QSDPConfig.qsdp(8, 8, inter_grad_bits=4, replica_axis="replica", **SMALL),
     ),
+    "1d-codes": ("fsdp", lambda: q.QSDPConfig.qsdp(4, 4, weight_storage="codes", **SMALL)),
+    "hier-codes": (
+        {"node": 2, "local": 4},
+        lambda: q.QSDPConfig.qsdp(8, 8, axis_name="local", node_axis="node", weight_storage="codes", **SMALL),
+    ),
 }
 
 
@@ -56,11 +61,13 @@ def u8_collectives(module: str) -> set[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("case", ["1d-qsdp", "hier-qsdp", "hybrid-qsdp", "hier-fp32"])
+@pytest.mark.parametrize("case", ["1d-qsdp", "hier-qsdp", "hybrid-qsdp", "hier-fp32", "1d-codes", "hier-codes"])
 def test_train_step_exports_with_packed_collectives(case, platform):
     got = u8_collectives(_export(case, platform))
-    if case == "1d-qsdp":
+    if case in ("1d-qsdp", "1d-codes"):
         assert got == {("all_gather", WHOLE), ("all_to_all", WHOLE)}
+    elif case == "hier-codes":  # the stored codes cross nodes, then are forwarded inside
+        assert got == {(op, g) for op in ("all_gather", "all_to_all") for g in (INSIDE, ACROSS)}
     elif case == "hier-qsdp":  # two stages, each on its own axis, for weights and gradients
         assert got == {(op, g) for op in ("all_gather", "all_to_all") for g in (INSIDE, ACROSS)}
     elif case == "hybrid-qsdp":  # gather inside the group; gradients quantized across too

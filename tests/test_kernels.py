@@ -155,8 +155,8 @@ def test_gradients_through_kernels_are_the_references():
 CFG = dict(bucket_size=64, min_shard_size=128)
 
 
-def _train(mesh, mode, steps):
-    cfg = q.QSDPConfig.qsdp(4, 4, kernels=mode, **CFG)
+def _train(mesh, mode, steps, storage="float32"):
+    cfg = q.QSDPConfig.qsdp(4, 4, kernels=mode, weight_storage=storage, **CFG)
     opt = optim.qsdp(optax.adam(1e-2), cfg)
     state = q.init_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
     step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
@@ -175,13 +175,25 @@ def test_train_step_with_kernels_repeats_the_reference(mesh):
     chex.assert_trees_all_equal(got_params, want_params)
 
 
+def test_code_held_weights_with_kernels_repeat_the_reference(mesh):
+    """Code-held W4G4 (the optimizer's encode and decode through the kernels too): two steps
+    with kernels forced on equal the reference and the float32-held run, codes bit for bit."""
+    got_losses, got_codes = _train(mesh, "interpret", 2, "codes")
+    want_losses, want_codes = _train(mesh, "reference", 2, "codes")
+    held_losses, _ = _train(mesh, "reference", 2)
+    assert got_losses == want_losses == held_losses
+    chex.assert_trees_all_equal(got_codes, want_codes)
+
+
 @pytest.mark.parametrize("rounding", ["shift", "stochastic"])
 @pytest.mark.parametrize("platform,marker", [("tpu", "tpu_custom_call"), ("cuda", "__gpu$xla.gpu.triton")])
 def test_train_step_with_kernels_lowers_for(mesh, platform, marker, rounding):
     """jax.export of the whole QSDP step for TPU / CUDA on this CPU machine: the kernels'
-    custom calls are in the module (projection with either weight rounding, snap,
-    quantize+pack, unpack(+sum))."""
-    cfg = q.QSDPConfig.qsdp(8, 4, kernels="pallas", weight_rounding=rounding, **CFG)
+    custom calls are in the module (projection with either weight rounding, snap, or with
+    code-held weights their decode and encode, quantize+pack, unpack(+sum))."""
+    codes = rounding == "stochastic"  # code-held 4-bit weights: their encode and decode too
+    kw = dict(weight_bits=4, grad_bits=8, weight_storage="codes") if codes else dict(weight_bits=8, grad_bits=4)
+    cfg = q.QSDPConfig.qsdp(**kw, kernels="pallas", weight_rounding=rounding, **CFG)
     opt = optim.qsdp(optax.adam(1e-2), cfg)
     state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
     step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
@@ -192,7 +204,7 @@ def test_train_step_with_kernels_lowers_for(mesh, platform, marker, rounding):
     names = [
         "quantize_pack_grid",
         "quantize_pack_stochastic",
-        "unpack_dequantize_8b",
+        "unpack_dequantize_4b" if codes else "unpack_dequantize_8b",
         "unpack_dequantize_sum",
         f"project_{rounding}",
         "project_grid",

@@ -16,7 +16,7 @@ the float32-held weights. The step therefore trains the same losses and weights 
 * the gradient reaches the codes' leaves through a zero *anchor* of the block's shape, the
   differentiated argument (:func:`anchors`), which the forward pass never reads;
 * the optimizer, in the global view, sees :func:`decode`'d float32 weights and the new ones,
-  projected onto the new grid, are :func:`encode`'d.
+  projected onto the new grid and snapped, are :func:`encode`'d.
 
 Checkpoints store the codes (a quarter of the weight bytes at 8 bits); where a leaf's buckets are
 the same on both meshes (see ``qsdp_jax.checkpoint``) they reshard as they are.
@@ -103,7 +103,11 @@ def _grids(opt_state) -> tuple[list, list]:
 
 
 def encode(params: dict, opt_state, config, layout: ParamLayout) -> dict:
-    """``params`` (on the grid of ``opt_state``) with each gridded leaf replaced by its codes.
+    """``params`` with each gridded leaf replaced by its codes on the grid of ``opt_state``
+    (round to nearest, clipped): a leaf on that grid gets its exact codes. (Encoding the
+    projected leaf before its snap gives the same codes; the train step snaps first all the
+    same: without the snap XLA:CPU scheduled the GPT-1.3B step into a 4591 MB peak, against
+    3934 MB with it.)
 
     Traced inside the train step's layout context (``qsdp_jax._src.grid.layout_context``)."""
     leaves = jax.tree_util.tree_leaves(params)
