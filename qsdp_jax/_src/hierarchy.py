@@ -302,7 +302,9 @@ class TwoLevelSpec:
         if self.weight_mode == "qsdp" and grid is None:
             raise ValueError("weight_mode='qsdp' gathers need the grid the shard lies on")
         qsdp = self.weight_mode == "qsdp"
-        payload = quantize_payload(shard, bits=bits, bucket=self.bucket, kernels=self.kernels, grid=grid if qsdp else None)
+        payload = quantize_payload(
+            shard, bits=bits, bucket=self.bucket, kernels=self.kernels, grid=grid if qsdp else None
+        )
         return self.payload_pieces(payload, shard.shape[-1], spans)
 
     def payload_pieces(self, payload, n, spans):
