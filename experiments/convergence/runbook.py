@@ -20,6 +20,7 @@ import dataclasses
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from experiments.gpt.files import write_atomic  # temp file + fsync + rename
 
@@ -61,7 +62,8 @@ class ConfigSpec:
     run: tuple = ()  # RunConfig fields other than the experiment's Settings, e.g. (("mu_dtype", "bfloat16"),)
 
 
-def _spec(name: str, group: str, note: str = "", run: tuple = (), **qsdp) -> ConfigSpec:
+def _spec(name: str, group: str, note: str = "", run: Any = (), **qsdp) -> ConfigSpec:
+    # (run: Any, since the QSDPConfig kwargs splatted in as **dict[str, ...] could name it)
     return ConfigSpec(name=name, qsdp=qsdp, group=group, note=note, run=run)
 
 
