@@ -188,3 +188,16 @@ def test_resume_onto_a_2d_mesh(tmp_path, monkeypatch):
     assert [r["loss"] for r in got[:4]] == [r["loss"] for r in want[:4]]
     np.testing.assert_allclose([r["loss"] for r in got[4:]], [r["loss"] for r in want[4:]], rtol=3e-5)
     assert json.loads((out / "summary.json").read_text())["mesh"] == {"node": 2, "local": 4}
+
+
+def test_code_held_weights_resume_exactly_and_match_float32_held(straight, tmp_path, monkeypatch):
+    """The trainer with --weight-storage codes: stopped after step 4 and resumed, the same
+    losses as the float32-held run straight through (``straight``)."""
+    codes = ["--weight-storage", "codes"]
+    out = tmp_path / "codes"
+    with monkeypatch.context() as m:
+        _stop_after(m, 4)
+        assert tg.main([*TINY, *codes, "--out", str(out), "--checkpoint-every", "2"]) == 128 + signal.SIGTERM
+    assert tg.main([*TINY, *codes, "--out", str(out), "--checkpoint-every", "2", "--resume"]) == 0
+    for a, b in zip(_rows(out), _rows(straight), strict=True):
+        assert (a["loss"], a["grad_norm"], a["val_loss"]) == (b["loss"], b["grad_norm"], b["val_loss"])
