@@ -352,9 +352,10 @@ def _update(optimizer, config: QSDPConfig, mesh: Mesh, layout: ParamLayout, stat
         # the new weights too (before the snap, whose codes are always finite): an update can
         # overflow (e.g. float16 leaves) on finite grads
         finite = finite & qoptim.all_finite(new_params)
-        if config.weight_mode == "qsdp":
+        if wc.holds_codes(config):  # the codes of the snapped weights are the weights' own codes
+            new_params = wc.encode(new_params, new_opt, config, layout)
+        elif config.weight_mode == "qsdp":
             new_params = qoptim.snap_to_grid(new_params, new_opt, config)
-            new_params = wc.encode(new_params, new_opt, config, layout)  # as they are unless code-held
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     new_params = jax.tree.map(keep, new_params, state.params)
     new_opt = jax.tree.map(keep, new_opt, state.opt_state)

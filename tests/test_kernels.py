@@ -207,7 +207,7 @@ def test_train_step_with_kernels_lowers_for(mesh, platform, marker, rounding):
         "unpack_dequantize_4b" if codes else "unpack_dequantize_8b",
         "unpack_dequantize_sum",
         f"project_{rounding}",
-        "project_grid",
+        *([] if codes else ["project_grid"]),  # the snap (code-held weights are encoded instead)
     ]
     assert text.count(marker) >= len(names)
     for name in names:
