@@ -199,3 +199,19 @@ def test_trainer_flags():
     _, default = build_run_config(parse_args([]))
     assert "mu_dtype" not in RunCheckpoints.identity(type("T", (), {"run": default})())
     assert RunCheckpoints.identity(type("T", (), {"run": run})())["mu_dtype"] == "bfloat16"
+
+
+def test_checkpoints_of_float32_held_weights_made_before_the_field_still_restore(tmp_path):
+    """A checkpoint record has ``weight_storage`` only when it is "codes": one made before the
+    field existed (no key) restores into a float32-held state, and a code-held one is refused
+    by a float32-held run naming the field."""
+    from qsdp_jax._src.checkpoint_record import CheckpointMismatch, check_match, comparable, describe
+
+    config = q.QSDPConfig.qsdp(8, 8, **SMALL)
+    held, _, mesh = _train(config, steps=0)
+    coded, _, _ = _train(_codes(config), steps=0)
+    old = describe(held, config, mesh)
+    assert "weight_storage" not in old["config"]
+    check_match(comparable(old), comparable(describe(held, config, mesh)))
+    with pytest.raises(CheckpointMismatch, match=r"config.weight_storage is 'codes' in the checkpoint but '<absent>'"):
+        check_match(comparable(describe(coded, _codes(config), mesh)), comparable(old))

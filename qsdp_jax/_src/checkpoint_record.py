@@ -62,13 +62,16 @@ def describe_grids(layout: ParamLayout, config: QSDPConfig) -> dict:
 
 
 def _config_record(config: QSDPConfig) -> dict:
-    """The config as stored; ``bit_policy`` only when set, so that checkpoints made before the
-    field existed compare equal to a policy-less config (and a policy is a named mismatch)."""
+    """The config as stored; ``bit_policy`` only when set and ``weight_storage`` only when not
+    ``"float32"``, so that checkpoints made before those fields existed compare equal to a config
+    with their defaults (and another value is a named mismatch)."""
     record = dataclasses.asdict(config)
     if not config.bit_policy:
         record.pop("bit_policy")
     else:
         record["bit_policy"] = [list(r) for r in config.bit_policy]
+    if config.weight_storage == "float32":
+        record.pop("weight_storage")
     return record
 
 
