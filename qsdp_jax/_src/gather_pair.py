@@ -58,18 +58,7 @@ def make_gather_pieces(spec, spans: tuple, chunk: int):
       joins the pieces' cotangents (zeros in the gaps) and reduce-scatters them under ``key``.
     """
 
-    @jax.custom_vjp
-    def gather(shard, grid, key):
-        return spec.gather_pieces(shard, grid, spans)
-
-    def fwd(shard, grid, key):
-        return spec.gather_pieces(shard, grid, spans), key
-
-    def bwd(key, cts):
-        return _reduce_scatter_pieces(spec, cts, spans, chunk, key), None, None
-
-    gather.defvjp(fwd, bwd)
-    return gather
+    return _paired(lambda shard, grid: spec.gather_pieces(shard, grid, spans), spec, spans, chunk)
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,20 +72,24 @@ def make_coded_gather(spec, spans: tuple, chunk: int):
     :func:`make_gather_pieces` does. ``payload`` and ``key`` get no gradient.
     """
 
-    @jax.custom_vjp
-    def gather(anchor, payload, key):
-        return spec.payload_pieces(payload, chunk, spans)
+    return _paired(lambda anchor, payload: spec.payload_pieces(payload, chunk, spans), spec, spans, chunk)
 
-    def fwd(anchor, payload, key):
-        return spec.payload_pieces(payload, chunk, spans), key
+
+def _paired(forward, spec, spans, chunk):
+    """``gather(x, y, key) = forward(x, y)``, a ``custom_vjp`` whose backward joins the pieces'
+    cotangents and reduce-scatters them under ``key`` into ``x``'s gradient (``y`` and ``key``
+    get none)."""
+
+    @jax.custom_vjp
+    def gather(x, y, key):
+        return forward(x, y)
+
+    def fwd(x, y, key):
+        return forward(x, y), key
 
     def bwd(key, cts):
-        return _reduce_scatter_pieces(spec, cts, spans, chunk, key), None, None
+        full = join_pieces([ct.astype(jnp.float32) for ct in cts], spans, chunk)  # (senders, chunk)
+        return spec.reduce_scatter(full.reshape(-1), key), None, None
 
     gather.defvjp(fwd, bwd)
     return gather
-
-
-def _reduce_scatter_pieces(spec, cts, spans, chunk, key):
-    full = join_pieces([ct.astype(jnp.float32) for ct in cts], spans, chunk)  # (senders, chunk)
-    return spec.reduce_scatter(full.reshape(-1), key)

@@ -101,6 +101,29 @@ def _grids(opt_state) -> tuple[list, list]:
     return jax.tree_util.tree_leaves(st.scales), jax.tree_util.tree_leaves(st.offsets)
 
 
+def _per_coded_leaf(tree: dict, opt_state, config, layout: ParamLayout, block, kinds: str) -> dict:
+    """``tree`` with ``block(x, scales, offsets, geo, i)`` applied, on each device, to its block
+    ``x`` of every code-held leaf ``i`` (with the leaf's grid); ``kinds`` (``"lgg"`` or
+    ``"ggg"``, then the result's) as :func:`qsdp_jax._src.grid.per_device` takes them."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    idx = [i for i, b in enumerate(coded(layout, config)) if b is not None]
+    if not idx:
+        return tree
+    scales, offsets = _grids(opt_state)
+    geos = qgrid.geometries(tree, config)
+
+    def fn(shard, xs, ss, os_):
+        del shard
+        return ([block(x, s, o, geos[i], i) for x, s, o, i in zip(xs, ss, os_, idx)],)
+
+    picked = [[v[i] for i in idx] for v in (leaves, scales, offsets)]
+    (blocks,) = qgrid.per_device(fn, [geos[i] for i in idx], kinds[:3], kinds[3:], *picked)
+    out = list(leaves)
+    for j, i in enumerate(idx):
+        out[i] = blocks[j]
+    return layout.unflatten(out)
+
+
 def encode(params: dict, opt_state, config, layout: ParamLayout) -> dict:
     """``params`` with each gridded leaf replaced by its codes on the grid of ``opt_state``
     (round to nearest, clipped): a leaf on that grid gets its exact codes, and a leaf projected
@@ -108,17 +131,9 @@ def encode(params: dict, opt_state, config, layout: ParamLayout) -> dict:
     snapped leaf, so the train step encodes without a snap.
 
     Traced inside the train step's layout context (``qsdp_jax._src.grid.layout_context``)."""
-    leaves = jax.tree_util.tree_leaves(params)
-    bits = coded(layout, config)
-    idx = [i for i, b in enumerate(bits) if b is not None]
-    if not idx:
-        return params
-    scales, offsets = _grids(opt_state)
-    geos = qgrid.geometries(params, config)
-    sub = [geos[i] for i in idx]
     bucket = config.bucket_size
 
-    def block(x, s, o, geo):
+    def block(x, s, o, geo, i):
         b = geo.bits
         return qk.select(
             config.kernels,
@@ -130,34 +145,15 @@ def encode(params: dict, opt_state, config, layout: ParamLayout) -> dict:
             bucket=bucket,
         )
 
-    def fn(shard, xs, ss, os_):
-        del shard
-        return ([block(x, s, o, g) for x, s, o, g in zip(xs, ss, os_, sub)],)
-
-    picked = [[v[i] for i in idx] for v in (leaves, scales, offsets)]
-    (codes,) = qgrid.per_device(fn, sub, "lgg", "g", *picked)
-    out = list(leaves)
-    for j, i in enumerate(idx):
-        out[i] = codes[j]
-    return layout.unflatten(out)
+    return _per_coded_leaf(params, opt_state, config, layout, block, "lggg")
 
 
 def decode(stored: dict, opt_state, config, layout: ParamLayout) -> dict:
     """The float32-held weights of ``TrainState.params`` (the inverse of :func:`encode`), global
     arrays sharded like the leaves; in the train step's layout context."""
-    leaves = jax.tree_util.tree_leaves(stored)
-    bits = coded(layout, config)
-    idx = [i for i, b in enumerate(bits) if b is not None]
-    if not idx:
-        return stored
-    scales, offsets = _grids(opt_state)
-    geos = qgrid.geometries(stored, config)
-    sub = [geos[i] for i in idx]
-    shapes = [_block_shape(layout, i) for i in idx]
-    dtypes = [jnp.dtype(layout.leaves()[i][1].dtype) for i in idx]
     bucket = config.bucket_size
 
-    def block(c, s, o, geo, shape, dtype):
+    def block(c, s, o, geo, i):
         # the elementwise decode, which XLA fuses into the optimizer's update: behind
         # payload.cpu_boundary (dequantize_parts) it is written out, and the GPT-1.3B W8G8
         # step's peak rose from 3934 to 4591 MB
@@ -171,18 +167,10 @@ def decode(stored: dict, opt_state, config, layout: ParamLayout) -> dict:
             o,
             bucket=bucket,
         )
-        return values[:, : geo.size].reshape(shape).astype(dtype)
+        dtype = jnp.dtype(layout.leaves()[i][1].dtype)
+        return values[:, : geo.size].reshape(_block_shape(layout, i)).astype(dtype)
 
-    def fn(shard, cs, ss, os_):
-        del shard
-        return ([block(*a) for a in zip(cs, ss, os_, sub, shapes, dtypes)],)
-
-    picked = [[v[i] for i in idx] for v in (leaves, scales, offsets)]
-    (values,) = qgrid.per_device(fn, sub, "ggg", "l", *picked)
-    out = list(leaves)
-    for j, i in enumerate(idx):
-        out[i] = values[j]
-    return layout.unflatten(out)
+    return _per_coded_leaf(stored, opt_state, config, layout, block, "gggl")
 
 
 def anchors(stored_blocks: dict, layout: ParamLayout, config) -> tuple[dict, list | None]:
