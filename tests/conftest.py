@@ -46,6 +46,7 @@ SLOWEST_FIRST = (
     "test_resume_cli.py",  # 87
     "test_bounded_failure.py",  # 80
     "test_reference_bits.py",  # 67
+    "test_weight_codes.py",  # 86 (added 2026-12-03, timed alone)
     "test_train.py",  # 66
     "test_checkpoint.py",  # 60
     "test_bit_policy.py",  # 59

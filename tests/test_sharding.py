@@ -110,7 +110,8 @@ def test_pack_unpack_roundtrip_inside_shard_map():
         (buf,) = g.buffers
         full = jax.lax.all_gather(packing.pack(buf, blocks, 16), "fsdp", tiled=True)
         leaves = [g.leaves[s.index] for s in buf.slots]
-        got = packing.unpack(buf, full, 8, [x.dim for x in leaves], [x.shape for x in leaves])
+        pieces = packing.split_flat(full.reshape(8, buf.chunk), packing.spans(buf))
+        got = packing.unpack(buf, pieces, 8, [x.dim for x in leaves], [x.shape for x in leaves])
         return jax.tree.unflatten(g.treedef, [got[i] for i in range(3)])
 
     out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(lay.specs("fsdp"),), out_specs=P(), check_vma=False))(

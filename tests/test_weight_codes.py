@@ -71,9 +71,8 @@ def test_codes_train_bit_for_bit_like_float32_held_weights(bits, mesh_name):
 
 
 def test_the_gather_sends_the_codes_and_is_lossless_on_every_device():
-    """Every device computes with exactly the decoded weights; the step's all-gathers move the
-    same bytes as the float32-held step's, and no quantize pass precedes them (no rounding
-    in the code-held step's forward)."""
+    """Every device computes with exactly the decoded weights, and the step's collectives move
+    the same bytes as the float32-held step's."""
     config = _codes(q.QSDPConfig.qsdp(8, 8, **SMALL))
     state, _, mesh = _train(config, steps=3)
     opt = _opt(config)
