@@ -12,8 +12,9 @@
   baselines everything is compared against.
 * :func:`make_gather`: the ``custom_vjp`` that pairs a gather (forward) with a reduce-scatter
   of the cotangent (backward); the backward returns the *sum* over devices.
-  :func:`make_coded_gather` is its twin for code-held weights, which gathers a payload built
-  from the stored codes.
+  :func:`make_gather_pieces` (the train step's) returns the gathered buffer as per-leaf
+  pieces, which the quantized gathers decode straight into; :func:`make_coded_gather` is its
+  twin for code-held weights, which gathers a payload built from the stored codes.
 
 Shards are 1-D with a length that is a multiple of the bucket size; full buffers are the N
 shards concatenated in device order. The payload format (packed codes, then the stats) and its

@@ -257,3 +257,40 @@ def test_reduce_scatter_rejects_ragged_buffers(mesh):
             P(),
             P(AXIS),
         )(jnp.ones((N * BUCKET + 8,)))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3])
+def test_gather_pieces_are_the_gathered_buffer_cut_and_their_vjp_the_reduce_scatter(mesh, bits):
+    """make_gather_pieces against make_gather + split_flat (the reference): the same pieces bit
+    for bit (comm mode, pieces of whole and partial buckets, a gap between them) and the same
+    gradient; and make_coded_gather of the shard's own payload equals both."""
+    from qsdp_jax._src.packing import split_flat
+
+    config = q.QSDPConfig(weight_mode="comm", weight_bits=bits, grad_bits=8, bucket_size=BUCKET)
+    spec = qc.GatherSpec.from_config(config)
+    chunk = 4 * BUCKET
+    spans = ((0, BUCKET + 5), (2 * BUCKET, 2 * BUCKET))  # a partial bucket, a gap, a whole piece
+    pieces_fn, full_fn = qc.make_gather_pieces(spec, spans, chunk), qc.make_gather(spec)
+    coded_fn = qc.make_coded_gather(spec, spans, chunk)
+    x = _weights(seed=70)
+    w = [_weights(N * N * n, seed=71 + i).reshape(N * N, n) for i, n in enumerate((BUCKET + 5, 2 * BUCKET))]
+
+    def f(shard, w0, w1):
+        key = jnp.uint32(5)
+        payload = qc.quantize_payload(shard, bits=bits, bucket=BUCKET)
+        got = pieces_fn(shard, None, key)
+        want = split_flat(full_fn(shard, None, key).reshape(N, chunk), spans)
+        coded = coded_fn(jnp.zeros_like(shard), payload, key)
+        loss = lambda ps: sum(jnp.sum(p * wd) for p, wd in zip(ps, (w0, w1)))  # noqa: E731
+        g_got = jax.grad(lambda s: loss(pieces_fn(s, None, key)))(shard)
+        g_want = jax.grad(lambda s: loss(split_flat(full_fn(s, None, key).reshape(N, chunk), spans)))(shard)
+        g_coded = jax.grad(lambda a: loss(coded_fn(a, payload, key)))(jnp.zeros_like(shard))
+        return [p[None] for p in got + want + coded], g_got, g_want, g_coded
+
+    out_specs = ([P(AXIS)] * 6, P(AXIS), P(AXIS), P(AXIS))
+    pieces, g_got, g_want, g_coded = _smap(mesh, f, (P(AXIS), P(AXIS), P(AXIS)), out_specs)(x, *w)
+    for a, b, c in zip(pieces[:2], pieces[2:4], pieces[4:]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(g_got), np.asarray(g_want))
+    np.testing.assert_array_equal(np.asarray(g_coded), np.asarray(g_want))
