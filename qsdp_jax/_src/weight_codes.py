@@ -24,6 +24,7 @@ the same on both meshes (see ``qsdp_jax.checkpoint``) they reshard as they are.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -222,12 +223,15 @@ def decoded_params(state) -> dict:
     if config is None or not holds_codes(config):
         return state.params
     mesh = jax.tree_util.tree_leaves(state.params)[0].sharding.mesh
-    layout = state.layout
-    specs = jax.tree_util.tree_leaves(layout.specs(config.shard_axes), is_leaf=lambda x: isinstance(x, P))
-    out = layout.unflatten([jax.sharding.NamedSharding(mesh, s) for s in specs])
+    return _decoder(state.layout, config, mesh)(state.params, state.opt_state)
+
+
+@functools.lru_cache(maxsize=32)
+def _decoder(layout: ParamLayout, config, mesh):
+    """The jitted :func:`decode` of one layout, config and mesh (compiled once, not per call)."""
 
     def fn(stored, opt_state):
         with qgrid.layout_context(layout, mesh, config.shard_axes):
             return decode(stored, opt_state, config, layout)
 
-    return jax.jit(fn, out_shardings=out)(state.params, state.opt_state)
+    return jax.jit(fn, out_shardings=layout.shardings(mesh, config.shard_axes))
