@@ -7,10 +7,10 @@ field, the value it got and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Literal
 
 from qsdp_jax._src import config_checks as _checks
+from qsdp_jax._src import config_names as _names
 from qsdp_jax._src.config_checks import STATS_DTYPES  # noqa: F401  (qsdp_jax.config.STATS_DTYPES)
 from qsdp_jax._src.config_checks import check_bits as _check_bits
 from qsdp_jax._src.config_checks import check_choice as _check_choice
@@ -302,25 +302,7 @@ class QSDPConfig:
             return cls.fp32(**kw)
         if name == "bf16":
             return cls.bf16(**kw)
-        m = _NAME.fullmatch(name)
-        if m is None:
-            raise ValueError(
-                f"unknown config name {name!r}: use fp32, bf16 or <mode>-W<bits>G<bits> with mode "
-                "qsdp, qsdp-sr, comm or full and bits 1..8, F32 or BF16 (e.g. qsdp-W8G8, comm-W4G4)"
-            )
-        mode, w, g = m.group(1) or "qsdp", m.group(2), m.group(3)
-        fp = {x for x in (w, g) if not x.isdigit()}
-        if len(fp) > 1:
-            raise ValueError(f"config name {name!r} mixes F32 and BF16")
-        fields = dict(
-            weight_mode="qsdp" if mode == "qsdp-sr" else mode,
-            weight_bits=int(w) if w.isdigit() else None,
-            grad_bits=int(g) if g.isdigit() else None,
-            fp_comm_dtype="bfloat16" if fp == {"BF16"} else "float32",
-        )
-        if mode in ("qsdp", "qsdp-sr"):  # the name says the rounding: qsdp- is the paper's shift
-            fields["weight_rounding"] = "stochastic" if mode == "qsdp-sr" else "shift"
-        return cls(**{**fields, **kw})
+        return cls(**{**_names.fields_from_name(name), **kw})
 
     @property
     def quantizes_weights(self) -> bool:
@@ -372,42 +354,7 @@ class QSDPConfig:
         """A short label for tables, e.g. ``fp32``, ``bf16``, ``qsdp-W8G8``, ``comm-W4G4``.
 
         Suffixes name the outer level's bits (``-xW4``, ``-xG4``), the gradient rotation
-        (``-rot64``), compact statistics (``-bf16stats``), code-held weights (``-codes``) and each distinct bits of a bit policy
-        (``-pW8G8``); :meth:`from_name` reads the names without suffixes."""
-        if self.weight_bits is None and self.grad_bits is None:
-            return (
-                ("fp32" if self.fp_comm_dtype == "float32" else "bf16") + self._level_suffix() + self._policy_suffix()
-            )
-        fp = "F32" if self.fp_comm_dtype == "float32" else "BF16"
-        w = f"W{self.weight_bits}" if self.weight_bits is not None else f"W{fp}"
-        g = f"G{self.grad_bits}" if self.grad_bits is not None else f"G{fp}"
-        mode: str = self.weight_mode
-        if mode == "qsdp" and self.weight_rounding == "stochastic":
-            mode = "qsdp-sr"
-        return f"{mode}-{w}{g}{self._level_suffix()}{self._lever_suffix()}{self._policy_suffix()}"
-
-    def _lever_suffix(self) -> str:
-        """``-rot64`` / ``-bf16stats`` / ``-codes`` when those switches are on (empty when off)."""
-        out = f"-rot{self.grad_rotation}" if self.grad_rotation is not None else ""
-        out += "-bf16stats" if self.stats_dtype == "bfloat16" else ""
-        return out + ("-codes" if self.weight_storage == "codes" else "")
-
-    def _policy_suffix(self) -> str:
-        """``-pW8G8`` per distinct bits of the policy's rules (patterns are not in the name:
-        it names output directories)."""
-        fmt = lambda b: "F" if b is None else str(b)  # noqa: E731
-        seen = dict.fromkeys(f"-pW{fmt(w)}G{fmt(g)}" for _, w, g in self.bit_policy)
-        return "".join(seen)
-
-    def _level_suffix(self) -> str:
-        """``-xW4`` / ``-xG4`` when the outer level's bits differ (``x``: across nodes)."""
-        fmt = lambda b: "F32" if b is None else str(b)  # noqa: E731
-        out = ""
-        if self.outer_weight_bits != self.weight_bits:
-            out += f"-xW{fmt(self.outer_weight_bits)}"
-        if self.outer_grad_bits != self.grad_bits:
-            out += f"-xG{fmt(self.outer_grad_bits)}"
-        return out
-
-
-_NAME = re.compile(r"(?:(qsdp-sr|qsdp|comm|full)-)?W([1-8]|F32|BF16)G([1-8]|F32|BF16)")
+        (``-rot64``), compact statistics (``-bf16stats``), code-held weights (``-codes``) and
+        each distinct bits of a bit policy (``-pW8G8``); :meth:`from_name` reads the names
+        without suffixes."""
+        return _names.config_name(self)

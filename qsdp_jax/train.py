@@ -46,8 +46,9 @@ from qsdp_jax import optim as qoptim
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.grid import layout_context
 from qsdp_jax._src.guards import CheckedStep, check_batch, check_params, check_stacked, warn_padding
-from qsdp_jax._src.hierarchy import device_mean, mesh_sizes
+from qsdp_jax._src.hierarchy import mesh_sizes
 from qsdp_jax._src.sharded_access import ShardedParams  # noqa: F401  (re-exported)
+from qsdp_jax._src.step_body import check_config, grid_for_step, local_grads, local_loss, sharded_body
 from qsdp_jax.layout import ParamLayout
 from qsdp_jax._src.state_specs import opt_state_shardings, opt_state_specs
 from qsdp_jax._src import weight_codes as wc
@@ -76,27 +77,6 @@ class TrainState:
     opt_state: PyTree
     layout: ParamLayout = dataclasses.field(metadata=dict(static=True))
     model_state: PyTree = None
-
-
-def _grid_for_step(opt_state, config: QSDPConfig):
-    """``(scales, offsets)`` trees of the weight grid (``"qsdp"`` mode), else None."""
-    if config.weight_mode != "qsdp":
-        return None
-    st = qoptim.find_qsdp_state(opt_state)
-    if st is None:
-        raise ValueError("weight_mode='qsdp' needs the optimizer wrapped with qsdp_jax.optim.qsdp(base, config)")
-    if st.bits != config.weight_bits or st.bucket != config.bucket_size:
-        raise ValueError(
-            f"the optimizer was built for weight_bits={st.bits}, bucket_size={st.bucket}, but the "
-            f"train step's config has weight_bits={config.weight_bits}, "
-            f"bucket_size={config.bucket_size}: build both from the same QSDPConfig"
-        )
-    return st.scales, st.offsets
-
-
-def _check_config(config):
-    if not isinstance(config, QSDPConfig):
-        raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
 
 
 def init_train_state(
@@ -197,7 +177,7 @@ def abstract_train_state(
 
 
 def _layout(params, mesh: Mesh, config: QSDPConfig, stacked: Sequence[str]) -> ParamLayout:
-    _check_config(config)
+    check_config(config)
     check_stacked(stacked)
     n, _ = mesh_sizes(mesh, config)
     layout = ParamLayout.create(
@@ -222,7 +202,7 @@ def _init_fn(layout: ParamLayout, optimizer, mesh: Mesh, config: QSDPConfig):
             opt_state = optimizer.init(p)
             qoptim.check_same_config(opt_state, config)  # also refuses two QSDPStates
             if config.weight_mode == "qsdp":
-                _grid_for_step(opt_state, config)  # clear error if not wrapped
+                grid_for_step(opt_state, config)  # clear error if not wrapped
                 p = qoptim.snap_to_grid(p, opt_state, config)
                 p = wc.encode(p, opt_state, config, layout)  # as it is unless code-held
         return p, opt_state
@@ -234,33 +214,6 @@ def _storage_shardings(layout: ParamLayout, mesh: Mesh, config: QSDPConfig):
     """The shardings of ``TrainState.params``: the leaves', or the grids' for code-held leaves."""
     specs = wc.storage_specs(layout, config)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def _local_grads(loss_fn, layout: ParamLayout, config: QSDPConfig, has_aux: bool, n_dev: int):
-    """The per-device body of the step: loss and gradients of this device's blocks."""
-
-    def local(step, stored, grid, batch):
-        params, codes = wc.anchors(stored, layout, config)
-
-        def objective(p):
-            out = loss_fn(ShardedParams(layout, p, grid or None, step, config, codes), batch)
-            return out if has_aux else (out, None)
-
-        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        leaves, treedef = jax.tree_util.tree_flatten(grads)
-        # a sharded leaf's gradient is the sum over devices (the reduce-scatter): to the mean
-        leaves = [g / n_dev if x.sharded else device_mean(g, config) for g, (_, x) in zip(leaves, layout.leaves())]
-        return jax.tree_util.tree_unflatten(treedef, leaves), lax.pmean(loss, config.batch_axes), aux
-
-    return local
-
-
-def _grid_specs(layout: ParamLayout, config: QSDPConfig, grid):
-    """in_specs of the grid argument: ``(scales, offsets)`` specs, or ``()`` without a grid."""
-    if grid is None:
-        return ()
-    specs = layout.grid_specs(config.shard_axes, config)
-    return (specs, specs)
 
 
 def make_train_step(
@@ -302,7 +255,7 @@ def make_train_step(
         not ``qsdp``-wrapped in ``"qsdp"`` mode).
       RuntimeError: calling the step with a state that was donated to an earlier call.
     """
-    _check_config(config)
+    check_config(config)
     _, n_dev = mesh_sizes(mesh, config)
     axes, batch_axes = config.shard_axes, config.batch_axes
 
@@ -312,20 +265,17 @@ def make_train_step(
         pspecs = layout.specs(axes)
         wc.check_stored(state.params, state.layout, config)
         qoptim.check_same_config(state.opt_state, config)
-        grid = _grid_for_step(state.opt_state, config)
+        grid = grid_for_step(state.opt_state, config)
         grid_arg = () if grid is None else grid
         aux_spec = P(batch_axes) if aux_out_spec is None else aux_out_spec
-        body = jax.shard_map(
-            _local_grads(loss_fn, layout, config, has_aux, n_dev),
-            mesh=mesh,
-            in_specs=(
-                P(),
-                wc.storage_specs(layout, config),
-                _grid_specs(layout, config, grid),
-                jax.tree.map(lambda _: P(batch_axes), batch),
-            ),
-            out_specs=(pspecs, P(), aux_spec if has_aux else P()),
-            check_vma=False,
+        body = sharded_body(
+            local_grads(loss_fn, layout, config, has_aux, n_dev),
+            mesh,
+            config,
+            layout,
+            grid,
+            batch,
+            (pspecs, P(), aux_spec if has_aux else P()),
         )
         grads, loss, aux = body(state.step, state.params, grid_arg, batch)
         params, opt_state, finite = _update(optimizer, config, mesh, layout, state, grads)
@@ -393,33 +343,15 @@ def make_eval_step(
         ``qsdp``-wrapped or was built for other weight bits / bucket size.
       RuntimeError: calling it with a state that was donated to a train step.
     """
-    _check_config(config)
+    check_config(config)
     _, n_dev = mesh_sizes(mesh, config)
-    batch_axes = config.batch_axes
 
     def eval_fn(state: TrainState, batch):
         check_batch(batch, n_dev)
         layout = state.layout
         wc.check_stored(state.params, state.layout, config)
-        grid = _grid_for_step(state.opt_state, config)
-
-        def local(step, stored, grid, batch):
-            params, codes = wc.anchors(stored, layout, config)
-            loss = loss_fn(ShardedParams(layout, params, grid or None, step, config, codes), batch)
-            return lax.pmean(loss, batch_axes)
-
-        body = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(
-                P(),
-                wc.storage_specs(layout, config),
-                _grid_specs(layout, config, grid),
-                jax.tree.map(lambda _: P(batch_axes), batch),
-            ),
-            out_specs=P(),
-            check_vma=False,
-        )
+        grid = grid_for_step(state.opt_state, config)
+        body = sharded_body(local_loss(loss_fn, layout, config), mesh, config, layout, grid, batch, P())
         return body(state.step, state.params, () if grid is None else grid, batch)
 
     return CheckedStep(jax.jit(eval_fn))

@@ -37,6 +37,7 @@ def _has_platform(name: str) -> bool:
 # one worker busy while the other idles. xdist's own order (most tests first) put single-test
 # files such as test_kill_resume (121 s) last. The other files keep their order, after these.
 SLOWEST_FIRST = (
+    "test_nnx_reshard.py",  # 132 s (2026-12-04, beside the other worker; 3 layers since: 77 s alone)
     "test_trainer_cluster.py",  # 172 s
     "test_bench_network.py",  # 155
     "test_optax_matrix.py",  # 127

@@ -260,9 +260,10 @@ def test_end_to_end_two_processes_no_netns(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(mp, "run_processes", guarded)
     out = tmp_path / "network.json"
-    # Three of the four configs (bf16 is the same code path; the workload test builds all four):
-    # each process compiles every config it is given, which is most of this test's time.
-    configs = ["fp32", "qsdp-W8G8", "qsdp-W4G4"]
+    # Two of the four configs (bf16 is fp32's code path, W8G8 W4G4's at other bits; the
+    # workload test builds all four): each process compiles every config it is given, which is
+    # most of this test's time.
+    configs = ["fp32", "qsdp-W4G4"]
     argv = [
         "--no-netns",
         "--bandwidths",
@@ -309,7 +310,7 @@ def test_end_to_end_two_processes_no_netns(tmp_path, monkeypatch, capsys):
         assert r["bandwidth_mbit"] is None and r["n_processes"] == 2
         assert r["step_time_s"] > 0 and r["bytes_per_step"] > 0
     assert runs["fp32"]["speedup_vs_fp32"] == pytest.approx(1.0)
-    assert runs["fp32"]["bytes_per_step"] > runs["qsdp-W8G8"]["bytes_per_step"] > runs["qsdp-W4G4"]["bytes_per_step"]
+    assert runs["fp32"]["bytes_per_step"] > runs["qsdp-W4G4"]["bytes_per_step"]
     cfg = doc["bandwidths"][0]["configs"]["fp32"]
     assert len(cfg["samples_s"]) == 2 and len(cfg["per_process_median_s"]) == 2
     assert doc["targets"]["evaluated"] is False
