@@ -358,3 +358,10 @@ class QSDPConfig:
         each distinct bits of a bit policy (``-pW8G8``); :meth:`from_name` reads the names
         without suffixes."""
         return _names.config_name(self)
+
+
+def check_config(config) -> None:
+    """``TypeError`` unless ``config`` is a :class:`QSDPConfig` (what every entry point taking a
+    config checks first)."""
+    if not isinstance(config, QSDPConfig):
+        raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")

@@ -56,7 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from qsdp_jax import train
 
 from qsdp_jax._src import guards
-from qsdp_jax.config import QSDPConfig
+from qsdp_jax.config import QSDPConfig, check_config
 from qsdp_jax._src.nnx_scan import scan  # noqa: F401  (re-exported: qsdp_jax.nnx.scan)
 from qsdp_jax._src.nnx_scan import StepContext
 from qsdp_jax._src.nnx_reshard import can_reshard_any
@@ -189,8 +189,7 @@ class TrainStep:
         evaluate=False,
         reshard_after_forward=True,
     ):
-        if not isinstance(config, QSDPConfig):
-            raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
+        check_config(config)
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
         graph = in_mode(model, mode)  # the module runs from this copy's graph, in the step's mode

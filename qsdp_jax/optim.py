@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from qsdp_jax._src import grid as qgrid
-from qsdp_jax.config import QSDPConfig
+from qsdp_jax.config import QSDPConfig, check_config
 from qsdp_jax._src.grid import layout_context  # noqa: F401  (re-exported: ``optim.layout_context``)
 
 PyTree = Any
@@ -102,8 +102,7 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
       ValueError: from ``init``: ``base`` already holds a :class:`QSDPState` (wrapped twice);
         from ``update``: no ``params`` in ``"qsdp"`` mode.
     """
-    if not isinstance(config, QSDPConfig):
-        raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
+    check_config(config)
     base = optax.with_extra_args_support(base)
     projecting = config.weight_mode == "qsdp"
 

@@ -43,12 +43,12 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qsdp_jax import optim as qoptim
-from qsdp_jax.config import QSDPConfig
+from qsdp_jax.config import QSDPConfig, check_config
 from qsdp_jax._src.grid import layout_context
 from qsdp_jax._src.guards import CheckedStep, check_batch, check_params, check_stacked, warn_padding
 from qsdp_jax._src.hierarchy import mesh_sizes
 from qsdp_jax._src.sharded_access import ShardedParams  # noqa: F401  (re-exported)
-from qsdp_jax._src.step_body import check_config, grid_for_step, local_grads, local_loss, sharded_body
+from qsdp_jax._src.step_body import grid_for_step, local_grads, local_loss, sharded_body
 from qsdp_jax.layout import ParamLayout
 from qsdp_jax._src.state_specs import opt_state_shardings, opt_state_specs
 from qsdp_jax._src import weight_codes as wc
@@ -266,7 +266,6 @@ def make_train_step(
         wc.check_stored(state.params, state.layout, config)
         qoptim.check_same_config(state.opt_state, config)
         grid = grid_for_step(state.opt_state, config)
-        grid_arg = () if grid is None else grid
         aux_spec = P(batch_axes) if aux_out_spec is None else aux_out_spec
         body = sharded_body(
             local_grads(loss_fn, layout, config, has_aux, n_dev),
@@ -277,7 +276,7 @@ def make_train_step(
             batch,
             (pspecs, P(), aux_spec if has_aux else P()),
         )
-        grads, loss, aux = body(state.step, state.params, grid_arg, batch)
+        grads, loss, aux = body(state.step, state.params, batch)
         params, opt_state, finite = _update(optimizer, config, mesh, layout, state, grads)
         metrics = {
             "loss": loss,
@@ -352,7 +351,7 @@ def make_eval_step(
         wc.check_stored(state.params, state.layout, config)
         grid = grid_for_step(state.opt_state, config)
         body = sharded_body(local_loss(loss_fn, layout, config), mesh, config, layout, grid, batch, P())
-        return body(state.step, state.params, () if grid is None else grid, batch)
+        return body(state.step, state.params, batch)
 
     return CheckedStep(jax.jit(eval_fn))
 

@@ -8,7 +8,7 @@ import json
 
 from jax.sharding import Mesh
 
-from qsdp_jax.config import QSDPConfig
+from qsdp_jax.config import QSDPConfig, check_config
 from qsdp_jax.layout import ParamLayout
 from qsdp_jax.version import __version__
 
@@ -77,8 +77,7 @@ def _config_record(config: QSDPConfig) -> dict:
 
 def describe(state, config: QSDPConfig, mesh: Mesh, identity: dict | None = None) -> dict:
     """What must match for a checkpoint of ``state`` to load into a run (see :func:`check_match`)."""
-    if not isinstance(config, QSDPConfig):
-        raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
+    check_config(config)
     return {
         "format": FORMAT,
         "config": _config_record(config),

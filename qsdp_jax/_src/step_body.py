@@ -23,12 +23,6 @@ from qsdp_jax._src.hierarchy import device_mean
 from qsdp_jax._src.sharded_access import ShardedParams
 
 
-def check_config(config) -> None:
-    """``TypeError`` unless ``config`` is a :class:`QSDPConfig`."""
-    if not isinstance(config, QSDPConfig):
-        raise TypeError(f"config must be a QSDPConfig, got {type(config).__name__}")
-
-
 def grid_for_step(opt_state, config: QSDPConfig):
     """``(scales, offsets)`` trees of the weight grid (``"qsdp"`` mode), else None.
 
@@ -51,11 +45,13 @@ def grid_for_step(opt_state, config: QSDPConfig):
 
 
 def sharded_body(local: Callable, mesh: Mesh, config: QSDPConfig, layout: ParamLayout, grid, batch, out_specs: Any):
-    """``jax.shard_map`` of ``local(step, stored, grid, batch)`` with the in_specs of the
-    stored params (:func:`weight_codes.storage_specs`), the grid (or ``()``) and the batch
-    (split over every mesh axis)."""
+    """``body(step, stored, batch)``: ``jax.shard_map`` of ``local(step, stored, grid, batch)``
+    with ``grid`` (:func:`grid_for_step`'s, or ``None``: ``()``) bound, and the in_specs of the
+    stored params (:func:`weight_codes.storage_specs`), the grid and the batch (split over every
+    mesh axis)."""
+    grid_specs: tuple = ()
     if grid is None:
-        grid_specs: tuple = ()
+        grid = ()
     else:
         specs = layout.grid_specs(config.shard_axes, config)
         grid_specs = (specs, specs)
@@ -65,7 +61,13 @@ def sharded_body(local: Callable, mesh: Mesh, config: QSDPConfig, layout: ParamL
         grid_specs,
         jax.tree.map(lambda _: P(config.batch_axes), batch),
     )
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    body = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return lambda step, stored, batch: body(step, stored, grid, batch)
+
+
+def _reader(layout: ParamLayout, config: QSDPConfig, step, grid, codes) -> Callable:
+    """``params -> ParamAccess`` of this device's blocks (anchors, for code-held leaves)."""
+    return lambda params: ShardedParams(layout, params, grid or None, step, config, codes)
 
 
 def local_loss(loss_fn: Callable, layout: ParamLayout, config: QSDPConfig):
@@ -73,7 +75,7 @@ def local_loss(loss_fn: Callable, layout: ParamLayout, config: QSDPConfig):
 
     def local(step, stored, grid, batch):
         params, codes = wc.anchors(stored, layout, config)
-        loss = loss_fn(ShardedParams(layout, params, grid or None, step, config, codes), batch)
+        loss = loss_fn(_reader(layout, config, step, grid, codes)(params), batch)
         return lax.pmean(loss, config.batch_axes)
 
     return local
@@ -86,9 +88,10 @@ def local_grads(loss_fn: Callable, layout: ParamLayout, config: QSDPConfig, has_
 
     def local(step, stored, grid, batch):
         params, codes = wc.anchors(stored, layout, config)
+        access = _reader(layout, config, step, grid, codes)
 
         def objective(p):
-            out = loss_fn(ShardedParams(layout, p, grid or None, step, config, codes), batch)
+            out = loss_fn(access(p), batch)
             return out if has_aux else (out, None)
 
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
