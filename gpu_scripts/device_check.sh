@@ -8,7 +8,8 @@
 # It runs the tests marked @pytest.mark.gpu, checks every Pallas kernel (Triton lowering)
 # against the jnp reference on the GPU with random data (bits 1..8, three roundings, buckets
 # 64..4096), runs experiments/bench/kernels.py (each pass vs a plain copy; target >= 0.8 of the
-# copy bandwidth), times one step of the `small` GPT with fp32 FSDP and QSDP W8G8, writes JSON
+# copy bandwidth), times one step of the `small` GPT with fp32 FSDP and QSDP W8G8 (Pallas kernels
+# and the jnp reference), writes JSON
 # to OUT_DIR and prints one summary table last. Exit status: the first failing step's.
 # PYTHON=/path/to/python picks the interpreter (default: python on PATH).
 set -euo pipefail

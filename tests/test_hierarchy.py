@@ -1,8 +1,6 @@
 """Two-level meshes: the two-stage collectives and the train step on (node, local) and
 (replica, fsdp) meshes of 8 simulated devices (DESIGN.md invariants 1-6 on 2-D meshes)."""
 
-import re
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,6 +13,7 @@ import qsdp_jax as q
 from qsdp_jax._src import quantizers as qz
 import toymodel
 from qsdp_jax._src import hierarchy as hi
+from qsdp_jax._src import hlo_reader
 from qsdp_jax import optim
 from qsdp_jax.collectives import payload_size
 
@@ -248,19 +247,20 @@ def test_nonfinite_step_is_skipped_2d(hier_run):
 # ----------------------------------------------------------------------------------------------
 # Per-level bits in the compiled step
 # ----------------------------------------------------------------------------------------------
-_COLL = re.compile(r"=\s*(.*?)\s(all-gather|all-to-all)(?:-start)?\(.*?replica_groups=(\{[\d,{}]*\}\})")
-
-
 def _u8_collectives_by_axis(hlo: str):
     """{(kind, axis): {u8 bytes of one op}} where axis is 'node' (groups {l, 4 + l}) or
-    'local' (groups {4n .. 4n + 3}), read from the replica groups of the compiled HLO."""
+    'local' (groups {4n .. 4n + 3}), read from the replica groups of the compiled HLO (in
+    whichever form this XLA prints them: listed, iota or mesh axes)."""
+    module = hlo_reader.parse_module(hlo)
     out = {}
-    for m in _COLL.finditer(hlo):
-        shape, kind, groups = m.groups()
-        u8 = [int(np.prod([int(v) for v in dims.split(",") if v])) for dims in re.findall(r"u8\[([\d,]*)\]", shape)]
+    for instr in (i for body in module.computations.values() for i in body):
+        kind = instr.opcode.removesuffix("-start")
+        if kind not in ("all-gather", "all-to-all") or instr.shape is None:
+            continue
+        u8 = [leaf.nbytes() for leaf in instr.shape.leaves() if leaf.dtype == "u8"]
         if not u8:
             continue
-        gs = [tuple(int(v) for v in g.split(",")) for g in re.findall(r"\{([\d,]+)\}", groups)]
+        gs = hlo_reader.parse_replica_groups(hlo_reader._attr_value(instr.attrs, "replica_groups") or "{}", 8)
         if all(len({d // LOCAL for d in g}) == 1 for g in gs):
             axis = "local"
         elif all(len({d % LOCAL for d in g}) == 1 for g in gs):

@@ -20,6 +20,8 @@ from qsdp_jax import kernels as qk
 from qsdp_jax import optim
 from qsdp_jax._src import quantizers as qz
 
+JAX_MINOR = tuple(int(v) for v in jax.__version__.split(".")[:2])
+
 T = "interpret"
 N = 8
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,6 +193,11 @@ def test_train_step_with_kernels_lowers_for(mesh, platform, marker, rounding):
     """jax.export of the whole QSDP step for TPU / CUDA on this CPU machine: the kernels'
     custom calls are in the module (projection with either weight rounding, snap, or with
     code-held weights their decode and encode, quantize+pack, unpack(+sum))."""
+    if platform == "cuda" and JAX_MINOR >= (0, 11):
+        pytest.skip(
+            "jax >= 0.11 lowers a Triton kernel only with a GPU's compute capability: a GPU, or an "
+            "abstract mesh with an AbstractDevice, which shard_map over a concrete CPU mesh refuses"
+        )
     codes = rounding == "stochastic"  # code-held 4-bit weights: their encode and decode too
     kw = dict(weight_bits=4, grad_bits=8, weight_storage="codes") if codes else dict(weight_bits=8, grad_bits=4)
     cfg = q.QSDPConfig.qsdp(**kw, kernels="pallas", weight_rounding=rounding, **CFG)

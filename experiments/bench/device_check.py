@@ -12,6 +12,7 @@ cycling over 64..4096, and compares it with the jnp reference jitted on the same
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -86,6 +87,7 @@ def check_kernels(out_dir: Path, bits_list=tuple(range(1, 9))) -> dict:
                             "equal_device_ref": bool(np.array_equal(g, d)),
                             "equal_cpu_ref": bool(np.array_equal(g, c)),
                             "mismatches_device_ref": int(np.sum(g != d)),
+                            **_first_mismatch(g, d),
                         }
                     )
     out = {
@@ -108,6 +110,21 @@ def check_kernels(out_dir: Path, bits_list=tuple(range(1, 9))) -> dict:
     return out
 
 
+def _first_mismatch(got, want) -> dict:
+    """Where ``got`` first differs from ``want`` and the two values there (nothing if equal)."""
+    import numpy as np
+
+    diff = np.argwhere(got != want)
+    if not len(diff):
+        return {}
+    at = tuple(int(i) for i in diff[0])
+    return {"first_mismatch": {"index": at, "got": got[at].item(), "want": want[at].item()}}
+
+
+# (config name, kernels): the Pallas kernels against the jnp reference in the same step
+STEP_ROWS = (("fp32", "auto"), ("qsdp-W8G8", "auto"), ("qsdp-W8G8", "reference"))
+
+
 def time_step(out_dir: Path, preset: str = "small", batch: int = 8, repeats: int = 10) -> dict:
     import jax
     import jax.numpy as jnp
@@ -123,8 +140,8 @@ def time_step(out_dir: Path, preset: str = "small", batch: int = 8, repeats: int
     data = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
     mesh = q.make_mesh()
     rows = []
-    for name in ("fp32", "qsdp-W8G8"):
-        cfg = q.QSDPConfig.from_name(name)
+    for name, kernels in STEP_ROWS:
+        cfg = dataclasses.replace(q.QSDPConfig.from_name(name), kernels=kernels)
         opt = q.optim.qsdp(optax.adam(1e-4), cfg)
         state = q.init_train_state(model.init_params(0), opt, mesh, cfg, stacked=model.stacked_groups)
         step = q.make_train_step(model.loss, opt, mesh, cfg)
@@ -138,7 +155,7 @@ def time_step(out_dir: Path, preset: str = "small", batch: int = 8, repeats: int
             times.append(time.perf_counter() - t0)
         rows.append(
             {
-                "config": name,
+                "config": name if kernels == "auto" else f"{name} kernels={kernels}",
                 "compile_and_first_s": first,
                 "step_median_s": float(np.median(times)),
                 "loss": float(m["loss"]),
@@ -177,7 +194,7 @@ def table(out_dir: Path) -> str:
         s = json.loads(st.read_text())
         for r in s["rows"]:
             lines.append(
-                f"GPT {s['preset']} step {r['config']:10} {1e3 * r['step_median_s']:8.2f} ms "
+                f"GPT {s['preset']} step {r['config']:28} {1e3 * r['step_median_s']:8.2f} ms "
                 f"(first call {r['compile_and_first_s']:.1f} s, loss {r['loss']:.3f})"
             )
     return "\n".join(lines)

@@ -94,6 +94,14 @@ class CheckedStep:
         check_not_donated(state)
         return self._jitted(state, *args, **kwargs)
 
+    # Explicit, not only forwarded: from jax 0.11 ``jax.export`` accepts only a
+    # ``stages.Wrapped``, a protocol checked by these methods' presence on the class.
+    def trace(self, *args, **kwargs):
+        return self._jitted.trace(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._jitted.lower(*args, **kwargs)
+
     def __getattr__(self, name):
         return getattr(self._jitted, name)
 

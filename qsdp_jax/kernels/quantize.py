@@ -39,7 +39,7 @@ def _kernel(*refs, bits, rounding, output, target):
         lo = jnp.min(functools.reduce(jnp.minimum, cols), axis=1, keepdims=True)
         hi = jnp.max(functools.reduce(jnp.maximum, cols), axis=1, keepdims=True)
         intervals = top - 1 if rounding == "shift" else top
-        s = kp.round_scale_up(kp.fdiv(hi - lo, jnp.float32(intervals), target))
+        s = kp.round_scale_up(qz.per_interval(hi - lo, intervals))
         off = lo
         if rounding == "shift":
             xi = aux[0][...]
