@@ -252,5 +252,23 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli() -> int:
+    """:func:`main` for ``python -m``: after a run that succeeded, also stop ``jax.distributed``
+    and process 0's coordination-service helper (``qsdp_jax.distributed.shutdown``), so that the
+    coordinator's port is free at once for the next run; left running, the helper holds it for
+    the heartbeat timeout + 10 s. Not after a failure: its shutdown barrier would wait for peers
+    that may be gone. (Not in :func:`main`, which tests and workers call more than once in one
+    process.)"""
+    code = main()
+    if code == 0:
+        from qsdp_jax import distributed
+
+        try:
+            distributed.shutdown()
+        except Exception as e:  # noqa: BLE001 - the run is done and written: say so, exit 0
+            print(f"qsdp_jax: jax.distributed did not shut down cleanly: {type(e).__name__}: {e}", file=sys.stderr)
+    return code
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())
