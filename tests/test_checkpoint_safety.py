@@ -63,6 +63,9 @@ def test_a_script_ending_right_after_save_keeps_its_checkpoint(tmp_path):
     """Exit without wait(): the save completes, and a new process resumes it bit for bit."""
     ckdir, losses_file = tmp_path / "ck", tmp_path / "losses.json"
     done = _python(SCRIPT.format(tests=str(REPO / "tests")), ckdir, losses_file)
+    if sys.version_info[:3] in ((3, 12, 0), (3, 12, 1)):  # no thread starts at exit there
+        assert done.returncode == 1 and "cannot start threads at exit: call wait()" in done.stderr, done.stderr
+        return
     assert done.returncode == 0, done.stderr[-2000:]
     ckpt = Checkpointer(ckdir)
     assert ckpt.all_steps() == [3]
