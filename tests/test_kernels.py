@@ -17,6 +17,7 @@ import qsdp_jax as q
 import toymodel
 from qsdp_jax import collectives as qc
 from qsdp_jax import kernels as qk
+from qsdp_jax.kernels import dispatch
 from qsdp_jax import optim
 from qsdp_jax._src import quantizers as qz
 
@@ -221,9 +222,11 @@ def test_train_step_with_kernels_lowers_for(mesh, platform, marker, rounding):
         assert f"qsdp_{name}" in text, name
 
 
-def test_auto_mode_traces_no_kernel_on_cpu(mesh):
+def test_auto_mode_traces_no_kernel_on_cpu_or_gpu(mesh, monkeypatch):
     """On a CPU-only process ``"auto"`` is the reference: the step's jaxpr holds no pallas_call,
-    while ``"pallas"`` carries the kernels (lowered only for GPU/TPU)."""
+    while ``"pallas"`` carries the kernels (lowered only for GPU/TPU). In a GPU process too
+    (the reference was faster on an H200), in a TPU process the kernels (the backend faked:
+    the dispatch reads ``jax.default_backend()`` while tracing)."""
 
     def jaxpr(mode):
         cfg = q.QSDPConfig.qsdp(8, 4, kernels=mode, **CFG)
@@ -234,6 +237,9 @@ def test_auto_mode_traces_no_kernel_on_cpu(mesh):
 
     assert "pallas_call" not in jaxpr("auto")
     assert "pallas_call" in jaxpr("pallas")
+    for backend, kernels in (("gpu", False), ("tpu", True)):
+        monkeypatch.setattr(dispatch.jax, "default_backend", lambda b=backend: b)
+        assert ("pallas_call" in jaxpr("auto")) == kernels, backend
 
 
 @pytest.mark.parametrize(

@@ -90,6 +90,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "memory_nnx": ("memory_nnx.json", _memory_nnx),
     "overhead": ("overhead.json", _overhead),
     "kernels_cpu": ("kernels_cpu.json", _kernels),
+    "kernels_h200": ("kernels_h200.json", _kernels),
     "network": ("network.json", _network),
     "network_twolevel": ("network_twolevel.json", _twolevel),
     "speedup_model": ("speedup_model.json", _speedup),
