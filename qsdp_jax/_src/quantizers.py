@@ -89,8 +89,8 @@ def bucket_range(xb: jax.Array) -> tuple[jax.Array, jax.Array]:
 def per_interval(span: jax.Array, intervals: int) -> jax.Array:
     """``span / intervals`` as XLA computes it: ``span`` times the float32 reciprocal of
     ``intervals`` (XLA rewrites a division by a constant so, on CPU and GPU alike). Written out,
-    the Pallas kernels compute the same bits: Triton divides exactly (seen on an H200: the
-    kernels' exact division gave other scales than the reference in 29 of 138 checks)."""
+    the Pallas kernels compute the same bits, where Triton would divide exactly (and differ in
+    the last bit for most spans)."""
     return span * jnp.float32(1.0 / intervals)
 
 
