@@ -55,7 +55,7 @@ device_check_main() {
   _check_run mkdir -p "$dir"
   _check_step "$py" -c "import jax; d = jax.devices()[0]; assert d.platform == '$platform', d; print(d.device_kind)"
   _check_step timeout 75 "$py" -m pytest -q -m "$platform" tests/test_kernels.py --junitxml "$dir/${platform}_tests.xml"
-  _check_step timeout 150 "$py" -m experiments.bench.device_check kernels --out "$dir"
+  _check_step timeout 240 "$py" -m experiments.bench.device_check kernels --out "$dir"
   _check_step timeout 60 "$py" -m experiments.bench.kernels --elements 33554432 --modes auto reference --repeats 20 --out "$dir"
   _check_step timeout 150 "$py" -m experiments.bench.device_check step --out "$dir"
   _check_run "$py" -m experiments.bench.device_check table "$dir"

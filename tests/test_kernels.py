@@ -307,3 +307,15 @@ def test_triton_kernels_on_the_gpu_match_the_reference():
 @pytest.mark.tpu
 def test_mosaic_kernels_on_the_tpu_match_the_reference():
     _on_device("mosaic_tpu")
+
+
+def test_device_check_kernels_runs_here(tmp_path):
+    """The device check's kernel comparison (``device_check kernels``), one width in interpret
+    mode: every output equal, each case with 28 and 32 buckets, the JSON and summary written."""
+    from experiments.bench import device_check
+
+    out = device_check.check_kernels(tmp_path, bits_list=(3,))
+    assert out["target"] == "interpret" and out["equal_device_ref"] == out["checks"] == 3 * 2 * 6
+    assert {r["buckets"] for r in out["rows"]} == {28, 32}
+    assert all(r["device_ref_equals_cpu_ref"] for r in out["rows"])
+    assert "36/36 with whole row blocks" in device_check.table(tmp_path)
