@@ -86,7 +86,7 @@ class QSDPConfig:
         inside a node and quantized across (e.g. bf16 in, 4-bit out).
       kernels: who runs the quantize / pack hot path (see ``qsdp_jax.kernels.dispatch``):
         ``"auto"`` (the default: Pallas kernels on TPU, the jnp reference on CPU and GPU, where
-        XLA's fusion of it was faster than the Triton kernels on an H200),
+        XLA's fusion of it was within 10% of the Triton kernels or faster on an H200),
         ``"pallas"`` (chosen per lowering platform, for exporting to GPU/TPU from a CPU host),
         ``"reference"`` (the jnp reference everywhere) or ``"interpret"`` (the kernels in
         Pallas interpret mode on any backend; slow, for tests on CPU).
