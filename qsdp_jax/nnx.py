@@ -16,7 +16,9 @@ Usage::
 
 The module stays yours: the state owns copies of what it holds, so no step donates or deletes an
 array of the module (or of an ``nnx.clone`` of it). Between steps the module computes with the
-weights of its last :func:`update` (those of :func:`init_state` before the first). The train
+weights of its last :func:`update` (those of :func:`init_state` before the first), so a
+``loss_fn`` that computes with it (a closure) instead of the module it is given is refused
+while the step traces (``qsdp_jax._src.nnx_closure``). The train
 step runs the module in training mode and the eval step in eval mode (as ``model.train()`` /
 ``model.eval()`` set them) whatever mode the module is in; ``mode=None`` runs it as it was when
 the step was built.

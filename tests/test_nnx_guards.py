@@ -257,3 +257,39 @@ def test_a_state_on_another_mesh_is_refused(mesh, tiny):
             r"step was built for the mesh \{'fsdp': 8\} \(8 devices",
         ):
             step(state, _batch(0))
+
+
+@pytest.mark.parametrize("style", ["list", "stacked"])
+def test_a_loss_that_closes_over_the_module_is_refused(mesh, tiny, style):
+    """``loss_fn`` computing with the module the step was built from (a closure) instead of the
+    module it is given would train nothing, silently: the train and eval steps raise naming the
+    parameter, and the module keeps its arrays (the same objects) and stays usable."""
+    parts = tiny if style == "list" else _stacked(mesh)
+    model = parts["model"]
+
+    def closure(m, batch):
+        return xent(model, batch)
+
+    before = jax.tree.leaves(nnx.state(model, nnx.Param))
+    values = _params(model)
+    train = qnnx.make_train_step(model, closure, parts["opt"], mesh, CFG)
+    for step in (train, qnnx.make_eval_step(model, closure, mesh, CFG)):
+        with pytest.raises(ValueError, match=r"parameter 'emb/embedding' of the module the step was built from"):
+            step(_fresh(parts["state"]), _batch(0))
+    after = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert all(a is b for a, b in zip(before, after, strict=True))
+    chex.assert_trees_all_equal(_params(model), values)
+    model(_batch(0)["x"])  # it computes as before
+
+
+def test_a_loss_may_close_over_a_clone_of_the_module(mesh, tiny):
+    """A fixed copy (a teacher, an anchor) made with nnx.clone is another module: allowed."""
+    teacher = nnx.clone(tiny["model"])
+    teacher.eval()  # its dropout off: a closed-over module's RNG state cannot advance in a trace
+
+    def distill(m, batch):
+        return xent(m, batch) + jnp.mean((m(batch["x"]) - jax.lax.stop_gradient(teacher(batch["x"]))) ** 2)
+
+    step = qnnx.make_train_step(tiny["model"], distill, tiny["opt"], mesh, CFG)
+    _, metrics = step(_fresh(tiny["state"]), _batch(0))
+    assert np.isfinite(float(metrics["loss"]))

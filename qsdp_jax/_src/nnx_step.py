@@ -16,6 +16,7 @@ from qsdp_jax import train
 from qsdp_jax._src import guards
 from qsdp_jax._src.hierarchy import mesh_sizes
 from qsdp_jax._src.nnx_checks import check_fits, split_loss, state_label, warn_mode
+from qsdp_jax._src.nnx_closure import stand_in
 from qsdp_jax._src.nnx_reshard import can_reshard_any
 from qsdp_jax._src.nnx_scan import StepContext
 from qsdp_jax._src.nnx_summary import summary_table, warn_whole
@@ -35,9 +36,11 @@ class TrainStep:
     how each group is gathered and the memory a whole-stack gather costs.
 
     Calling it raises ``RuntimeError`` for a donated state, ``TypeError`` for a state that is
-    not a ``TrainState``, ``ValueError`` for a state on another mesh or of another model, or a
+    not a ``TrainState``, ``ValueError`` for a state on another mesh or of another model, a
     ``loss_fn`` that does not return a scalar floating loss (or ``(loss, aux)`` with
-    ``has_aux``), and the errors of ``qsdp_jax.make_train_step``'s step (the batch).
+    ``has_aux``), or one that computes with the parameters of ``model`` itself (a closure over
+    it, not the module it is given: ``qsdp_jax._src.nnx_closure``), and the errors of
+    ``qsdp_jax.make_train_step``'s step (the batch).
 
     Args:
       model: the module (read for its structure in ``mode``).
@@ -79,6 +82,7 @@ class TrainStep:
         check_config(config)
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
+        self.model = model  # the user's: its parameters stand in while loss_fn traces (nnx_closure)
         graph = in_mode(model, mode)  # the module runs from this copy's graph, in the step's mode
         if mode == "train":
             warn_mode(mode_differences(model, graph))
@@ -149,7 +153,7 @@ class TrainStep:
     def _traced_loss(self, access, batch, extra, record: dict, held):
         """The loss on the module built for this trace; ``held``: groups not resharded."""
         ctx = StepContext(access, self.mdef, self.config.batch_axes, record, self.reshard, held)
-        with ctx.active():
+        with ctx.active(), stand_in(self.model):
             module = ctx.build(extra["state"], extra["step"])
             out = self.loss_fn(module, batch)
         loss, aux = split_loss(out, self.has_aux)
