@@ -225,8 +225,8 @@ def test_train_step_with_kernels_lowers_for(mesh, platform, marker, rounding):
 def test_auto_mode_traces_no_kernel_on_cpu_or_gpu(mesh, monkeypatch):
     """On a CPU-only process ``"auto"`` is the reference: the step's jaxpr holds no pallas_call,
     while ``"pallas"`` carries the kernels (lowered only for GPU/TPU). In a GPU process too
-    (the reference was faster on an H200), in a TPU process the kernels (the backend faked:
-    the dispatch reads ``jax.default_backend()`` while tracing)."""
+    (why: the dispatch's docstring), in a TPU process the kernels (the backend faked: the
+    dispatch reads ``jax.default_backend()`` while tracing)."""
 
     def jaxpr(mode):
         cfg = q.QSDPConfig.qsdp(8, 4, kernels=mode, **CFG)
