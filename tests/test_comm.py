@@ -210,6 +210,10 @@ def test_iota_replica_groups():
     assert parse_replica_groups("[1,8]<=[8]", 8) == (tuple(range(8)),)
     assert parse_replica_groups("{}", 4) == ((0, 1, 2, 3),)
     assert parse_replica_groups("{{0,1},{2,3}}", 8) == ((0, 1), (2, 3))
+    # the mesh form, with the mesh's devices given (jax 0.10.2, a (replica, fsdp) step's psum)
+    mesh_ids = "mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"
+    assert parse_replica_groups(mesh_ids, 8) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert parse_replica_groups("mesh['a'=4,'b'=2] {'b'}", 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
 
     def ag(groups: str) -> Collective:
         hlo = _module(
@@ -220,6 +224,7 @@ def test_iota_replica_groups():
         return _only(comm_report_from_hlo(hlo))
 
     for groups, n, wire in [
+        ("mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}", 4, 192.0),
         ("[2,4]<=[8]", 4, 192.0),
         ("[2,4]<=[4,2]T(1,0)", 4, 192.0),
         ("[4,2]<=[2,4]T(1,0)", 2, 128.0),

@@ -13,8 +13,7 @@ import qsdp_jax as q
 from qsdp_jax._src import quantizers as qz
 import toymodel
 from qsdp_jax._src import hierarchy as hi
-from qsdp_jax._src import hlo_reader
-from qsdp_jax import optim
+from qsdp_jax import comm, optim
 from qsdp_jax.collectives import payload_size
 
 BUCKET = 64
@@ -247,33 +246,22 @@ def test_nonfinite_step_is_skipped_2d(hier_run):
 # ----------------------------------------------------------------------------------------------
 # Per-level bits in the compiled step
 # ----------------------------------------------------------------------------------------------
-def _u8_collectives_by_axis(hlo: str):
+def _u8_collectives_by_axis(compiled):
     """{(kind, axis): {u8 bytes of one op}} where axis is 'node' (groups {l, 4 + l}) or
-    'local' (groups {4n .. 4n + 3}), read from the replica groups of the compiled HLO (in
-    whichever form this XLA prints them: listed, iota or mesh axes)."""
-    module = hlo_reader.parse_module(hlo)
+    'local' (groups {4n .. 4n + 3}) of the (2, 4) device grid, from ``qsdp_jax.comm``'s report
+    of the compiled step (its replica groups, in whichever form XLA prints them)."""
     out = {}
-    for instr in (i for body in module.computations.values() for i in body):
-        kind = instr.opcode.removesuffix("-start")
-        if kind not in ("all-gather", "all-to-all") or instr.shape is None:
+    for c in comm.comm_report(compiled).collectives:
+        if c.dtype != "u8" or c.kind not in ("all-gather", "all-to-all"):
             continue
-        u8 = [leaf.nbytes() for leaf in instr.shape.leaves() if leaf.dtype == "u8"]
-        if not u8:
-            continue
-        gs = hlo_reader.parse_replica_groups(hlo_reader._attr_value(instr.attrs, "replica_groups") or "{}", 8)
-        if all(len({d // LOCAL for d in g}) == 1 for g in gs):
-            axis = "local"
-        elif all(len({d % LOCAL for d in g}) == 1 for g in gs):
-            axis = "node"
-        else:
-            axis = "both"
-        out.setdefault((kind, axis), set()).add(sum(u8))
+        axes = comm.axes_spanned(c.replica_groups, {"node": NODES, "local": LOCAL})
+        out.setdefault((c.kind, axes[0] if len(axes) == 1 else "both"), set()).add(c.payload_bytes)
     return out
 
 
 def test_per_level_bits_visible_in_compiled_step(hier_run):
     """8-bit gradients inside the node, 4-bit across; 8-bit weight codes forwarded on both."""
-    got = _u8_collectives_by_axis(hier_run["compiled"].as_text())
+    got = _u8_collectives_by_axis(hier_run["compiled"])
     assert "both" not in {a for _, a in got}
     chunk = hier_run["state"].layout.group("blocks").chunk  # per device, one layer
     # gradients: inside the node L chunks of the node's N * chunk partial sums, 8 bits ...
@@ -317,7 +305,7 @@ def test_bytes_per_axis_match_the_formula(hmesh, hier_run):
 def test_hybrid_cross_group_reduction_is_quantized_in_compiled_step(hybrid_run):
     """Hybrid: 8-bit gather and reduce-scatter inside the group; across groups the gradient
     shard travels as 4-bit codes twice (all_to_all, then the all-gather of the sums)."""
-    got = _u8_collectives_by_axis(hybrid_run["compiled"].as_text())  # node = replica, local = fsdp
+    got = _u8_collectives_by_axis(hybrid_run["compiled"])  # node = replica, local = fsdp
     assert "both" not in {a for _, a in got}
     chunk = hybrid_run["state"].layout.group("blocks").chunk
     half = -(-chunk // (NODES * BUCKET)) * BUCKET  # each replica sums 1/R of the padded shard

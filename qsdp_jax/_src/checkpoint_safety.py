@@ -148,11 +148,12 @@ def closed(checkpointer) -> None:
 
 # Python 3.12.0 and 3.12.1 start no thread at exit (CPython gh-113964, fixed in 3.12.2), and
 # orbax needs threads to finish a save
-_EXIT_HINT = {
-    v: f" (Python {'.'.join(map(str, v))} cannot start threads at exit: call wait() or close() on the "
+_EXIT_HINT = (
+    f" (Python {sys.version.split()[0]} cannot start threads at exit: call wait() or close() on the "
     "Checkpointer before the script ends, or use Python 3.12.2 or newer)"
-    for v in ((3, 12, 0), (3, 12, 1))
-}
+    if sys.version_info[:3] in ((3, 12, 0), (3, 12, 1))
+    else ""
+)
 
 
 def _finish_pending() -> None:
@@ -162,7 +163,7 @@ def _finish_pending() -> None:
         except BaseException as e:  # noqa: BLE001 - any failure here must end the process loudly
             print(
                 f"qsdp_jax: a checkpoint save to {ckpt.directory} did not complete at exit: {type(e).__name__}: {e}"
-                + _EXIT_HINT.get(sys.version_info[:3], ""),
+                + _EXIT_HINT,
                 file=sys.stderr,
                 flush=True,
             )

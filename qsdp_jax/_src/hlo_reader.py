@@ -207,22 +207,47 @@ def _split_top(s: str) -> list[str]:
 # Replica groups
 
 
+# ``mesh['a'=4,'b'=2] {'a'}``, optionally with the mesh's devices in between:
+# ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}``
+_MESH_GROUPS = r"mesh\[([^\]]*)\](?:,\s*device_ids=\(([^()]*(?:\([^()]*\))?)\))?\s*\{([^}]*)\}"
+
+
+def _iota(text: str) -> Any:
+    """Device ids of the iota form ``[d0,d1,...]`` with an optional ``T(perm)``, flattened."""
+    import numpy as np
+
+    m = re.fullmatch(r"\[([\d,\s]+)\](?:\s*T\(([\d,\s]+)\))?", text.strip())
+    if not m:
+        raise ValueError(f"cannot parse iota device ids {text!r}")
+    dims = [int(x) for x in m.group(1).split(",")]
+    perm = [int(x) for x in m.group(2).split(",")] if m.group(2) else list(range(len(dims)))
+    if sorted(perm) != list(range(len(dims))):
+        raise ValueError(f"inconsistent iota device ids {text!r}")
+    return np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(-1)
+
+
 def _mesh_replica_groups(text: str) -> tuple[tuple[int, ...], ...]:
     """The mesh form ``mesh['a'=8,'b'=1] {'a'}`` (newer XLA, for collectives GSPMD inserts): the
-    devices of an iota mesh that differ only along the listed axes form one group."""
-    m = re.fullmatch(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
+    devices of the mesh that differ only along the listed axes form one group. The mesh is an
+    iota one, or has the ``device_ids=(...)`` given between the two (jax 0.10.2 prints that for
+    the step's reductions on a ``(replica, fsdp)`` mesh)."""
+    m = re.fullmatch(_MESH_GROUPS, text)
     if not m:
         raise ValueError(f"cannot parse mesh replica groups {text!r}")
     axes = [
         (a.strip().strip("'\""), int(n)) for a, n in (item.split("=") for item in m.group(1).split(",") if item.strip())
     ]
-    listed = [a.strip().strip("'\"") for a in m.group(2).split(",") if a.strip()]
+    listed = [a.strip().strip("'\"") for a in m.group(3).split(",") if a.strip()]
     names = [a for a, _ in axes]
     if any(a not in names for a in listed):
         raise ValueError(f"mesh replica groups {text!r} name an axis the mesh does not have")
     import numpy as np
 
-    ids = np.arange(math.prod(n for _, n in axes)).reshape([n for _, n in axes])
+    total = math.prod(n for _, n in axes)
+    ids = _iota(m.group(2)) if m.group(2) else np.arange(total)
+    if ids.size != total:
+        raise ValueError(f"mesh replica groups {text!r}: {ids.size} device ids for {total} positions")
+    ids = ids.reshape([n for _, n in axes])
     order = [i for i, a in enumerate(names) if a not in listed] + [names.index(a) for a in listed]
     size = math.prod(n for a, n in axes if a in listed)
     ids = ids.transpose(order).reshape(-1, size)
@@ -270,6 +295,10 @@ def _attr_value(attrs: str, key: str) -> str | None:
     i = m.end()
     if i < len(attrs) and attrs[i] == "{":
         return attrs[i : _match_close(attrs, i) + 1]
+    if attrs.startswith("mesh[", i):  # mesh replica groups, device ids included
+        m3 = re.match(_MESH_GROUPS, attrs[i:])
+        if m3:
+            return m3.group(0)
     if i < len(attrs) and attrs[i] == "[":  # iota replica groups
         m2 = re.match(r"\[[^\]]*\]\s*<=\s*\[[^\]]*\](?:\s*T\([^)]*\))?", attrs[i:])
         if m2:
