@@ -35,6 +35,11 @@ import optax
 from qsdp_jax._src import grid as qgrid
 from qsdp_jax.config import QSDPConfig, check_config
 from qsdp_jax._src.grid import layout_context  # noqa: F401  (re-exported: ``optim.layout_context``)
+from qsdp_jax._src.compact_moments import (  # noqa: F401  (re-exported)
+    CompactMomentsState,
+    compact_moments,
+    stochastic_bfloat16,
+)
 
 PyTree = Any
 PURPOSE_WEIGHT = qgrid.PURPOSE_WEIGHT

@@ -246,5 +246,14 @@ def test_run_fields_of_a_configuration_reach_the_run_and_its_optimizer():
     state = make_optimizer(run).init({"w": jnp.ones((4, 4))})
     dtypes = {x.dtype for x in jax.tree.leaves(state) if getattr(x, "shape", ()) == (4, 4)}
     assert dtypes == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}  # mu bf16, nu float32
+    spec = runbook.CONFIGS["qsdp-sr-W8G8-moments-bf16"]
+    run = RunConfig(qsdp=q.QSDPConfig(**spec.qsdp), **dict(spec.run))
+    state = make_optimizer(run).init({"w": jnp.ones((4, 4))})
+    dtypes = {x.dtype for x in jax.tree.leaves(state) if getattr(x, "shape", ()) == (4, 4)}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}  # mu and nu bf16 (and the weights' grid is per bucket)
     with pytest.raises(ValueError, match=r"RunConfig.mu_dtype='int8' is invalid"):
         RunConfig(mu_dtype="int8")
+    with pytest.raises(ValueError, match=r"RunConfig.moments_dtype='int8' is invalid"):
+        RunConfig(moments_dtype="int8")
+    with pytest.raises(ValueError, match=r"moments_dtype='bfloat16' is invalid with mu_dtype='bfloat16'"):
+        RunConfig(moments_dtype="bfloat16", mu_dtype="bfloat16")

@@ -242,6 +242,16 @@ CONFIGS: dict[str, ConfigSpec] = {
             grad_bits=8,
             **_SR,
         ),
+        # both moments in bfloat16, rounded stochastically (4 bytes less per parameter)
+        _spec(
+            "qsdp-sr-W8G8-moments-bf16",
+            "diagnostic",
+            "qsdp-sr-W8G8 with both of adam's moments in bfloat16, rounded stochastically",
+            run=(("moments_dtype", "bfloat16"),),
+            weight_bits=8,
+            grad_bits=8,
+            **_SR,
+        ),
         # dropped: QSDPConfig now refuses these; their records stay in the report
         _spec(
             "qsdp-sr-W4G4-b256-bf16stats",
@@ -274,6 +284,7 @@ LEVERS: tuple[tuple[str, str, str], ...] = (
     ("comm-W4G4", "qsdp-sr-W4G4", "an fp32 master copy (weights quantized for the gather only)"),
     ("qsdp-sr-W8G8", "qsdp-W8G8", "stochastic rounding instead of the paper's shift, 8 bits"),
     ("qsdp-sr-W8G8-mu-bf16", "qsdp-sr-W8G8", "adam's first moment in bfloat16"),
+    ("qsdp-sr-W8G8-moments-bf16", "qsdp-sr-W8G8", "both of adam's moments in bfloat16, rounded stochastically"),
 )
 """``(configuration, base, what it changes)``: the report gives, per corpus, the paired difference
 of the two configurations' gaps over the seeds both have (experiments.convergence.levers)."""

@@ -79,6 +79,13 @@ def _add_model_training_args(p: argparse.ArgumentParser) -> None:
         "optimizer state per parameter, see docs/results/convergence.md for its accuracy)",
     )
     t.add_argument(
+        "--moments-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype both of adam's moments are stored in (default: float32; bfloat16, rounded "
+        "stochastically by qsdp_jax.optim.compact_moments, saves 4 bytes per parameter)",
+    )
+    t.add_argument(
         "--warmup",
         type=nonnegative_int,
         default=None,

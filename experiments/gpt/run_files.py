@@ -144,8 +144,9 @@ class RunCheckpoints:
         for k in ("qsdp", "qsdp_name", "eval_every", "eval_batches"):
             d.pop(k, None)  # the QSDPConfig is checked field by field on its own
         d.pop("mesh", None)  # a checkpoint restores onto any mesh shape (qsdp_jax.checkpoint)
-        if d.get("mu_dtype") == "float32":  # the default: absent, as in checkpoints made before it
-            d.pop("mu_dtype")
+        for k in ("mu_dtype", "moments_dtype"):  # the defaults: absent, as in checkpoints made before them
+            if d.get(k) == "float32":
+                d.pop(k)
         return d
 
     def latest_step(self) -> int | None:

@@ -90,6 +90,7 @@ def build_run_config(args: argparse.Namespace, mesh: tuple = ()):
             warmup=warmup,
             schedule=args.schedule,
             mu_dtype=args.mu_dtype,
+            moments_dtype=args.moments_dtype,
             seed=args.seed,
             eval_every=eval_every,
             eval_batches=args.eval_batches,

@@ -31,6 +31,7 @@ from qsdp_jax import nnx as qnnx
 
 SCHEDULES = ("cosine", "constant")
 MU_DTYPES = ("float32", "bfloat16")
+MOMENTS_DTYPES = ("float32", "bfloat16")
 _LOG = logging.getLogger("qsdp_jax")  # qsdp_jax.distributed.enable_process_log writes it to a file
 
 
@@ -49,7 +50,8 @@ class RunConfig:
     schedule: str = "cosine"
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
-    mu_dtype: str = "float32"  # adam's first moment: "float32" or "bfloat16"
+    mu_dtype: str = "float32"  # adam's first moment: "float32" or "bfloat16" (round-to-nearest)
+    moments_dtype: str = "float32"  # both of adam's moments: "bfloat16" = optim.compact_moments
     seed: int = 0
     eval_every: int = 100
     eval_batches: int = 8
@@ -83,6 +85,15 @@ class RunConfig:
             raise ValueError(f"RunConfig.weight_decay={self.weight_decay!r} is invalid: must be >= 0")
         if self.mu_dtype not in MU_DTYPES:
             raise ValueError(f"RunConfig.mu_dtype={self.mu_dtype!r} is invalid: must be one of {MU_DTYPES}")
+        if self.moments_dtype not in MOMENTS_DTYPES:
+            raise ValueError(
+                f"RunConfig.moments_dtype={self.moments_dtype!r} is invalid: must be one of {MOMENTS_DTYPES}"
+            )
+        if self.moments_dtype != "float32" and self.mu_dtype != "float32":
+            raise ValueError(
+                f"RunConfig.moments_dtype={self.moments_dtype!r} is invalid with mu_dtype={self.mu_dtype!r}: "
+                "moments_dtype already stores the first moment compactly (leave mu_dtype at 'float32')"
+            )
         self.model_config()  # validates preset and overrides
         _check_mesh(self.mesh, self.qsdp)
 
@@ -137,6 +148,8 @@ def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
     lr = make_schedule(run)
     mu_dtype = jnp.bfloat16 if run.mu_dtype == "bfloat16" else None
     adamw = optax.adamw(lr, b2=0.99, weight_decay=run.weight_decay, mu_dtype=mu_dtype)
+    if run.moments_dtype != "float32":
+        adamw = optim.compact_moments(adamw, run.moments_dtype, seed=run.seed)
     base = optax.chain(optim.clip_by_global_norm(1.0), adamw)
     return optim.qsdp(base, run.qsdp)
 

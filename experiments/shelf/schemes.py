@@ -1,14 +1,15 @@
 """Scheme names of the benchmarks: a ``QSDPConfig`` name with options, e.g. ``qsdp-W8G8+codes``.
 
 ``+codes`` holds QSDP's on-grid weights as their codes (``QSDPConfig(weight_storage="codes")``),
-``+mu-bf16`` keeps adam's first moment in bfloat16 (``optax.adam(mu_dtype=jnp.bfloat16)``).
+``+mu-bf16`` keeps adam's first moment in bfloat16 (``optax.adam(mu_dtype=jnp.bfloat16)``),
+``+moments-bf16`` both moments, rounded stochastically (``qsdp_jax.optim.compact_moments``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-OPTIONS = ("codes", "mu-bf16")
+OPTIONS = ("codes", "mu-bf16", "moments-bf16")
 
 
 def split_scheme(scheme: str) -> tuple[str, frozenset[str]]:
@@ -23,6 +24,8 @@ def split_scheme(scheme: str) -> tuple[str, frozenset[str]]:
             raise ValueError(f"scheme {scheme!r}: unknown suffix {o!r}; known: {list(OPTIONS)}")
     if "codes" in options and not name.startswith("qsdp"):
         raise ValueError(f"scheme {scheme!r}: +codes needs a qsdp scheme (weights on a grid)")
+    if "mu-bf16" in options and "moments-bf16" in options:
+        raise ValueError(f"scheme {scheme!r}: +moments-bf16 already holds the first moment in bfloat16")
     return name, frozenset(options)
 
 
@@ -40,5 +43,8 @@ def base_optimizer(scheme: str, learning_rate: float):
     import jax.numpy as jnp
     import optax
 
+    from qsdp_jax import optim
+
     _, options = split_scheme(scheme)
-    return optax.adam(learning_rate, mu_dtype=jnp.bfloat16 if "mu-bf16" in options else None)
+    adam = optax.adam(learning_rate, mu_dtype=jnp.bfloat16 if "mu-bf16" in options else None)
+    return optim.compact_moments(adam) if "moments-bf16" in options else adam

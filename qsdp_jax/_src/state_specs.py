@@ -38,6 +38,32 @@ def fallback_spec(shape: tuple[int, ...], num_shards: int, axes) -> P:
     return P()
 
 
+def _param_paths(params: PyTree, specs: list | None = None) -> dict:
+    """key path -> (shape, spec) of every params leaf (spec None when ``specs`` is None)."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    specs = specs if specs is not None else [None] * len(flat)
+    return {_keys(path): (tuple(leaf.shape), spec) for (path, leaf), spec in zip(flat, specs)}
+
+
+def _match(by_path: dict, path, leaf):
+    """The ``by_path`` entry of the parameter ``leaf`` belongs to (its key path ends with the
+    parameter's and its shape is the parameter's), or None."""
+    shape, keys = tuple(leaf.shape), _keys(path)
+    for k in range(len(keys)):
+        hit = by_path.get(keys[k:])
+        if hit is not None and hit[0] == shape:
+            return hit
+    return None
+
+
+def param_shaped_leaves(opt_state: PyTree, params: PyTree) -> list[bool]:
+    """For each leaf of ``opt_state`` (flattened): whether it belongs to a parameter (the rule
+    of :func:`opt_state_specs`)."""
+    by_path = _param_paths(params)
+    flat = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+    return [_match(by_path, path, leaf) is not None for path, leaf in flat]
+
+
 def opt_state_specs(opt_state: PyTree, params: PyTree, layout: ParamLayout, axes) -> PyTree:
     """The PartitionSpec of every leaf of ``opt_state`` (arrays or ShapeDtypeStructs).
 
@@ -48,17 +74,11 @@ def opt_state_specs(opt_state: PyTree, params: PyTree, layout: ParamLayout, axes
       axes: the shard axes (``QSDPConfig.shard_axes``).
     """
     specs = jax.tree_util.tree_leaves(layout.specs(axes), is_leaf=lambda x: isinstance(x, P))
-    by_path = {}
-    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs):
-        by_path[_keys(path)] = (tuple(leaf.shape), spec)
+    by_path = _param_paths(params, specs)
 
     def rule(path, leaf):
-        shape, keys = tuple(leaf.shape), _keys(path)
-        for k in range(len(keys)):
-            hit = by_path.get(keys[k:])
-            if hit is not None and hit[0] == shape:
-                return hit[1]
-        return fallback_spec(shape, layout.num_shards, axes)
+        hit = _match(by_path, path, leaf)
+        return hit[1] if hit is not None else fallback_spec(tuple(leaf.shape), layout.num_shards, axes)
 
     return jax.tree_util.tree_map_with_path(rule, opt_state)
 
