@@ -56,7 +56,13 @@ OPTIMIZERS = {
     "inject_schedule": lambda: optax.inject_hyperparams(optax.adam)(
         learning_rate=optax.linear_schedule(1e-2, 1e-3, STEPS)
     ),
+    "compact_adamw": lambda: optim.compact_moments(optax.adamw(1e-2, weight_decay=0.1)),
 }
+
+BOUNDS = {"compact_adamw": (1e-4, 1e-2)}
+"""(L2, elementwise) bounds other than (1e-5, 1e-4): stochastic rounding to bfloat16 turns a
+last-bit difference of a float32 moment (another summation order) into a whole bfloat16 step
+about once in 2^16 elements; measured 3.8e-5 and 1.3e-3 after 5 steps."""
 
 MESHES = {
     "1d": ({"fsdp": 8}, {}),
@@ -116,7 +122,8 @@ def test_sharded_matches_one_device(name, mesh_name):
         moved = np.asarray(_leaf(init, path), np.float64) - want
         l2 = np.linalg.norm(got - want) / max(np.linalg.norm(moved), 1e-30)
         worst = np.abs(got - want).max() / max(np.abs(moved).max(), 1e-30)
-        assert l2 <= 1e-5 and worst <= 1e-4, (jax.tree_util.keystr(path), l2, worst)
+        bound_l2, bound_worst = BOUNDS.get(name, (1e-5, 1e-4))
+        assert l2 <= bound_l2 and worst <= bound_worst, (jax.tree_util.keystr(path), l2, worst)
 
 
 def _leaf(tree, path):

@@ -59,13 +59,13 @@ class CompactMomentsState:
 
     Attributes:
       count: number of updates so far (int32), keys the rounding.
-      inner: the inner transformation's state, its parameter-shaped leaves in bfloat16.
-      compact: static, one bool per leaf of ``inner`` (flattened): stored compactly or not.
+      inner: the inner transformation's state, its parameter-shaped leaves in bfloat16 (the
+        leaves stored in bfloat16 are the compacted ones: no other metadata, so that
+        ``optax.tree_map_params``, which calls ``init`` on placeholders, sees the same tree).
     """
 
     count: jax.Array
     inner: PyTree
-    compact: tuple[bool, ...] = dataclasses.field(metadata=dict(static=True))
 
 
 def compact_moments(
@@ -77,8 +77,9 @@ def compact_moments(
     A state leaf is compacted when it is floating point and shaped like a parameter whose key
     path its own ends with (the rule that also shards it like that parameter): counts,
     hyperparameters (``inject_hyperparams``) and factored statistics (Adafactor) stay as they
-    are. Each update casts the stored leaves to float32, runs ``inner.update`` and rounds the new
-    leaves back (:func:`stochastic_bfloat16`). Adam's state then takes 4 bytes per parameter
+    are. Each update casts the bfloat16 leaves of the stored state to float32, runs
+    ``inner.update`` and rounds those leaves back (:func:`stochastic_bfloat16`); a leaf ``inner``
+    itself keeps in bfloat16 (``mu_dtype=jnp.bfloat16``) is thus rounded by ``inner`` first. Adam's state then takes 4 bytes per parameter
     instead of 8. Wrap the base optimizer before :func:`qsdp_jax.optim.qsdp`:
     ``qsdp(compact_moments(optax.adamw(3e-4)), config)``.
 
@@ -98,25 +99,24 @@ def compact_moments(
 
     def init(params):
         state = inner.init(params)
-        compact = tuple(
+        compact = [
             keep and jnp.issubdtype(leaf.dtype, jnp.floating)
             for leaf, keep in zip(jax.tree_util.tree_leaves(state), param_shaped_leaves(state, params))
-        )
-        stored = _store(state, compact, jnp.zeros((), jnp.int32), seed)
-        return CompactMomentsState(count=jnp.zeros((), jnp.int32), inner=stored, compact=compact)
+        ]
+        return CompactMomentsState(count=jnp.zeros((), jnp.int32), inner=_store(state, compact, 0, seed))
 
     def update(updates, state: CompactMomentsState, params=None, **extra_args):
         leaves, treedef = jax.tree_util.tree_flatten(state.inner)
-        wide = [x.astype(jnp.float32) if c else x for x, c in zip(leaves, state.compact)]
+        compact = [x.dtype == jnp.bfloat16 for x in leaves]
+        wide = [x.astype(jnp.float32) if c else x for x, c in zip(leaves, compact)]
         new_updates, new_inner = inner.update(updates, treedef.unflatten(wide), params, **extra_args)
         count = state.count + 1
-        stored = _store(new_inner, state.compact, count, seed)
-        return new_updates, CompactMomentsState(count=count, inner=stored, compact=state.compact)
+        return new_updates, CompactMomentsState(count=count, inner=_store(new_inner, compact, count, seed))
 
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _store(state: PyTree, compact: tuple[bool, ...], count: jax.Array, seed: int) -> PyTree:
+def _store(state: PyTree, compact: list[bool], count, seed: int) -> PyTree:
     leaves, treedef = jax.tree_util.tree_flatten(state)
     if len(leaves) != len(compact):
         raise ValueError(
