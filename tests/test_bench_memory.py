@@ -26,13 +26,17 @@ def test_tiny_fp32_memory_shrinks_with_devices_and_sits_above_the_ideal(tmp_path
     assert "peak/ideal2" in rec["table"] and "tiny" in rec["table"]
 
 
-def test_a_bf16_first_moment_saves_two_bytes_of_state_per_parameter(tmp_path):
+def test_bf16_moments_save_two_bytes_of_state_per_parameter_each(tmp_path):
     out = tmp_path / "memory.json"
-    argv = ["--models", "tiny", "--schemes", "fp32", "fp32+mu-bf16", "--devices", "8", "--out", str(out)]
+    schemes = ["fp32", "fp32+mu-bf16", "fp32+moments-bf16"]
+    argv = ["--models", "tiny", "--schemes", *schemes, "--devices", "8", "--out", str(out)]
     assert bm.main(argv) == 0
-    full, compact = json.loads(out.read_text())["rows"]
-    saved = (full["state_bytes"] - compact["state_bytes"]) * 8 / full["n_params"]
-    assert 1.9 < saved < 2.5  # 2 bytes a parameter; the replicated small leaves save on every device
+    full, mu, both = json.loads(out.read_text())["rows"]
+    for compact, want in ((mu, 2), (both, 4)):
+        saved = (full["state_bytes"] - compact["state_bytes"]) * 8 / full["n_params"]
+        assert want - 0.1 < saved < want + 0.5  # the replicated small leaves save on every device
+    with pytest.raises(ValueError, match=r"\+moments-bf16 already holds the first moment"):
+        split_scheme("fp32+mu-bf16+moments-bf16")
     assert "B/param" in json.loads(out.read_text())["table"]
     with pytest.raises(ValueError, match=r"unknown suffix 'nu-int8'"):
         split_scheme("fp32+nu-int8")

@@ -31,6 +31,8 @@ def _neighbours(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def test_rounding_is_unbiased_and_lands_on_a_neighbour():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(512) * 10.0 ** rng.integers(-20, 20, 512)).astype(np.float32)
+    x[:8] = np.float32(1.5e-40) * np.arange(1, 9)  # subnormals
+    x[8:12] = [-3.0e38, 3.2e38, 1.0e38, -2.5e-39]
     n = 400
     draws = jax.jit(jax.vmap(lambda k: optim.stochastic_bfloat16(jnp.asarray(x), k)))(jnp.arange(n, dtype=jnp.uint32))
     draws = np.asarray(draws.astype(jnp.float32))
@@ -44,6 +46,21 @@ def test_rounding_is_unbiased_and_lands_on_a_neighbour():
     exact = jnp.asarray([0.0, -0.0, 1.0, -2.5, 2.0**127, np.inf, -np.inf], jnp.float32)
     np.testing.assert_array_equal(np.asarray(optim.stochastic_bfloat16(exact, jnp.uint32(7)), np.float32), exact)
     assert np.isnan(np.asarray(optim.stochastic_bfloat16(jnp.asarray([np.nan]), jnp.uint32(7)), np.float32)).all()
+    # above the largest finite bfloat16 a finite value saturates, never rounds to infinity
+    top = jnp.asarray([3.4e38, -3.4e38, np.finfo(np.float32).max], jnp.float32)
+    many = jax.vmap(lambda k: optim.stochastic_bfloat16(top, k))(jnp.arange(64, dtype=jnp.uint32))
+    big = float(jnp.finfo(jnp.bfloat16).max)
+    np.testing.assert_array_equal(np.abs(np.asarray(many, np.float32)), big)
+
+
+def test_a_sharded_array_rounds_as_the_whole_one():
+    """Element ids are global: 8 shards draw the bits one array draws."""
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((16, 24)), jnp.float32) * 1e-3
+    mesh = q.make_mesh()
+    sharded = jax.device_put(x, jax.NamedSharding(mesh, jax.P(None, "fsdp")))
+    got = jax.jit(optim.stochastic_bfloat16)(sharded, jnp.uint32(11))
+    assert got.sharding.spec == jax.P(None, "fsdp")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(optim.stochastic_bfloat16(x, jnp.uint32(11)), np.float32))
 
 
 def test_an_average_that_moves_less_than_half_a_step_still_moves():
@@ -79,8 +96,13 @@ def test_only_parameter_shaped_leaves_are_compacted():
     state = adamw.init(params)
     inner = state.inner.inner_state[0]
     assert {x.dtype for x in jax.tree.leaves((inner.mu, inner.nu))} == {jnp.dtype(jnp.bfloat16)}
-    assert inner.count.dtype == jnp.int32
     assert state.inner.hyperparams["learning_rate"].dtype == jnp.float32  # a hyperparameter, not a moment
+    # two leaves holding the same values draw their own bits: two traces of one gradient
+    twice = optim.compact_moments(optax.chain(optax.trace(0.0), optax.trace(0.0)))
+    g = {"w": jnp.full((64, 32), 0.3), "b": jnp.full(32, 0.3)}
+    _, st = twice.update(g, twice.init(params), params)
+    first, second = (np.asarray(t.trace["w"], np.float32) for t in st.inner)
+    assert not np.array_equal(first, second) and set(np.unique(first)) == set(np.unique(second))
     factored = optim.compact_moments(optax.adafactor(1e-2, min_dim_size_to_factor=8)).init(params)
     stats = factored.inner[0]
     assert stats.v_row["w"].dtype == stats.v_col["w"].dtype == jnp.float32  # factored: not a moment's shape
@@ -92,7 +114,15 @@ def test_only_parameter_shaped_leaves_are_compacted():
     assert [x.dtype for x in jax.tree.leaves(new)] == [x.dtype for x in jax.tree.leaves(state)]
 
 
-@pytest.mark.parametrize("bad, match", [(dict(dtype="int8"), "dtype='int8' is invalid"), (dict(seed=-1), "seed=-1")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(dtype="int8"), "dtype='int8' is invalid"),
+        (dict(seed=-1), "seed=-1 is invalid"),
+        (dict(seed=2**32), "seed=4294967296 is invalid"),
+        (dict(seed=True), "seed=True is invalid"),
+    ],
+)
 def test_bad_arguments_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         optim.compact_moments(optax.adam(1e-3), **bad)
@@ -144,3 +174,11 @@ def test_optax_tree_map_params_sees_the_moments():
     mapped = optax.tree_map_params(opt, lambda p: p.shape, opt.init(params), transform_non_params=lambda _: None)
     assert mapped.inner[0].mu == mapped.inner[0].nu == {"w": (64, 32), "b": (32,)}
     assert mapped.count is None
+
+
+def test_an_inner_state_that_changes_its_structure_is_refused():
+    grows = optax.GradientTransformation(lambda p: (), lambda u, s, p=None: (u, (jnp.zeros(3),)))
+    opt = optim.compact_moments(grows)
+    params = {"w": jnp.ones(3)}
+    with pytest.raises(ValueError, match="has 1 leaves after an update but 0 at init"):
+        opt.update(params, opt.init(params), params)

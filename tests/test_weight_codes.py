@@ -190,8 +190,9 @@ def test_nnx_front_door():
 
 
 def test_trainer_flags():
-    """--weight-storage codes and --mu-dtype bfloat16 reach the run; codes with --fp32 (no grid)
-    is a clear error; a default run's resume identity is what it was before either existed."""
+    """--weight-storage codes, --mu-dtype and --moments-dtype bfloat16 reach the run; codes with
+    --fp32 (no grid) is a clear error; a default run's resume identity is what it was before
+    any existed."""
     from experiments.gpt.args import CLIError, parse_args
     from experiments.gpt.run_files import RunCheckpoints
     from experiments.gpt.setup import build_run_config
@@ -201,8 +202,12 @@ def test_trainer_flags():
     with pytest.raises(CLIError, match=r"weight_storage='codes' is invalid"):
         build_run_config(parse_args(["--fp32", "--weight-storage", "codes"]))
     _, default = build_run_config(parse_args([]))
-    assert "mu_dtype" not in RunCheckpoints.identity(type("T", (), {"run": default})())
+    assert not {"mu_dtype", "moments_dtype"} & RunCheckpoints.identity(type("T", (), {"run": default})()).keys()
     assert RunCheckpoints.identity(type("T", (), {"run": run})())["mu_dtype"] == "bfloat16"
+    _, both = build_run_config(parse_args(["--moments-dtype", "bfloat16"]))
+    assert RunCheckpoints.identity(type("T", (), {"run": both})())["moments_dtype"] == "bfloat16"
+    with pytest.raises(CLIError, match=r"moments_dtype='bfloat16' is invalid with mu_dtype='bfloat16'"):
+        build_run_config(parse_args(["--moments-dtype", "bfloat16", "--mu-dtype", "bfloat16"]))
 
 
 def test_checkpoints_of_float32_held_weights_made_before_the_field_still_restore(tmp_path):

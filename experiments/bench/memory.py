@@ -12,7 +12,8 @@ baseline of column ``vs gspmd``; the others are :func:`qsdp_jax.make_train_step`
 ``QSDPConfig.from_name(scheme)``. Suffixes: ``+codes`` (``qsdp-W8G8+codes``) holds the on-grid
 weights as their codes (``weight_storage="codes"``: 1 byte per weight at 8 bits instead of 4),
 ``+mu-bf16`` keeps adam's first moment in bfloat16 (``optax.adam(mu_dtype=jnp.bfloat16)``: 2
-bytes less state per parameter; its accuracy is not measured yet). ``compiled.memory_analysis()`` gives the program's
+bytes less state per parameter), ``+moments-bf16`` both moments, rounded stochastically
+(``qsdp_jax.optim.compact_moments``: 4 bytes less). ``compiled.memory_analysis()`` gives the program's
 buffers per device; the peak is ``arguments + outputs - aliased (donated) + temporaries``.
 
 Next to it, the ideal of FSDP: the sharded train state per device (parameters, optimizer state,
@@ -151,8 +152,9 @@ def table(rows: list[dict]) -> str:
     """One line per (model, scheme, devices); MB = 1e6 bytes per device. ``vs gspmd``: the
     peak over the gspmd row's peak of the same model and device count, where there is one."""
     gspmd = {(r["model"], r["n_devices"]): r["peak_bytes"] for r in rows if r["scheme"] == GSPMD}
+    w = max([25] + [len(r["scheme"]) + 1 for r in rows])
     head = (
-        f"{'model':<9}{'params':>8} {'scheme':<25}{'dev':>4}{'state':>9}{'B/param':>8}{'ideal 1-2 layers':>19}"
+        f"{'model':<9}{'params':>8} {'scheme':<{w}}{'dev':>4}{'state':>9}{'B/param':>8}{'ideal 1-2 layers':>19}"
         f"{'peak':>9}{'peak/ideal2':>12}{'temp':>9}{'vs gspmd':>10}"
     )
     lines = [head, "-" * len(head)]
@@ -166,7 +168,7 @@ def table(rows: list[dict]) -> str:
         vs = f"{r['peak_bytes'] / base:.2f}x" if base else "-"
         per_param = r["state_bytes"] * r["n_devices"] / r["n_params"]  # state bytes per parameter
         lines.append(
-            f"{r['model']:<9}{r['n_params'] / 1e6:>7.1f}M {r['scheme']:<25}{r['n_devices']:>4}"
+            f"{r['model']:<9}{r['n_params'] / 1e6:>7.1f}M {r['scheme']:<{w}}{r['n_devices']:>4}"
             f"{r['state_bytes'] / MB:>9.1f}{per_param:>8.2f}{ideal:>19}{r['peak_bytes'] / MB:>9.1f}"
             f"{r['peak_bytes'] / r['ideal_2_layers_bytes']:>11.2f}x{r['temp_bytes'] / MB:>9.1f}"
             f"{vs:>10}"
@@ -182,7 +184,8 @@ def table(rows: list[dict]) -> str:
         "jax.jit + NamedSharding FSDP step (experiments/shelf/gspmd_fsdp.py), same model and devices.",
         "B/param: state bytes per parameter over all devices (adam: 4 weight + 8 moments); "
         "+codes: QSDP's weights held as their codes (weight_storage='codes'); "
-        "+mu-bf16: adam's first moment in bfloat16.",
+        "+mu-bf16: adam's first moment in bfloat16; +moments-bf16: both moments in bfloat16, "
+        "rounded stochastically (qsdp_jax.optim.compact_moments).",
     ]
     return "\n".join(lines)
 

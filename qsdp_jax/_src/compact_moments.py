@@ -7,8 +7,9 @@ the new state is rounded to one of its two bfloat16 neighbours with the probabil
 the stored value unbiased (``E[stored] = new``), so the average keeps following its input.
 
 Randomness, as everywhere in qsdp_jax, is a pure function of integers: the bits of element ``e``
-of compacted leaf ``i`` at update ``count`` are ``hash(derive_key(seed, MOMENTS, count, i), e)``,
-``e`` the element's row-major index in the global leaf. A sharded run therefore rounds exactly
+of the inner state's leaf ``i`` (its index among all the state's leaves) at update ``count`` are
+``hash(derive_key(seed, MOMENTS, count, i), e)``, ``e`` the element's row-major index in the
+global leaf (modulo 2^32). A sharded run therefore rounds exactly
 as a one-device run, and a resumed run as the uninterrupted one.
 """
 
@@ -41,14 +42,19 @@ def element_ids(shape: tuple[int, ...]) -> jax.Array:
 
 
 def stochastic_bfloat16(x: jax.Array, key: jax.Array) -> jax.Array:
-    """``x`` (float32) rounded to bfloat16 stochastically: up with probability equal to the
-    fraction of a bfloat16 step by which ``x`` exceeds its lower neighbour (in magnitude), so
-    ``E[result] = x``. Values already on bfloat16, infinities and zeros are unchanged."""
+    """``x`` (float32) rounded to bfloat16 stochastically: away from zero with probability equal
+    to the fraction of a bfloat16 step by which ``|x|`` exceeds its lower neighbour, so
+    ``E[result] = x`` (subnormals included). Values already on bfloat16, zeros, infinities and
+    NaN are unchanged; a finite ``|x|`` above the largest finite bfloat16 (3.39e38) becomes that
+    value, never infinity (the one place the rounding is biased)."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
     counters = element_ids(x.shape) + jnp.asarray(key, jnp.uint32) * jnp.uint32(randomness.GOLDEN)
     noise = randomness.mix32(randomness.mix32(counters) ^ key) >> 16
-    finite = jnp.isfinite(x)
-    rounded = jnp.where(finite, (bits + noise) & jnp.uint32(0xFFFF0000), bits)
+    up = (bits + noise) & jnp.uint32(0xFFFF0000)
+    sign = bits & jnp.uint32(0x80000000)
+    overflow = (up & jnp.uint32(0x7FFFFFFF)) == jnp.uint32(0x7F800000)  # a finite x rounded to inf
+    up = jnp.where(overflow, sign | jnp.uint32(0x7F7F0000), up)
+    rounded = jnp.where(jnp.isfinite(x), up, bits)
     return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
 
 
@@ -74,10 +80,12 @@ def compact_moments(
     """Store ``inner``'s per-parameter state (adam's ``mu`` and ``nu``, a momentum trace) in
     ``dtype``, rounded stochastically; compute in float32.
 
-    A state leaf is compacted when it is floating point and shaped like a parameter whose key
-    path its own ends with (the rule that also shards it like that parameter): counts,
-    hyperparameters (``inject_hyperparams``) and factored statistics (Adafactor) stay as they
-    are. Each update casts the bfloat16 leaves of the stored state to float32, runs
+    A state leaf is compacted when it is float32 and shaped like a parameter whose key path its
+    own ends with (the rule that also shards it like that parameter): counts, hyperparameters
+    (``inject_hyperparams``) and factored statistics (Adafactor) stay as they are. Inside this
+    wrapper, ``optax.MultiSteps``'s gradient accumulator is parameter-shaped too and is
+    compacted (accumulated in stochastically rounded bfloat16); wrap ``MultiSteps`` around
+    ``compact_moments`` to accumulate in float32. Each update casts the bfloat16 leaves of the stored state to float32, runs
     ``inner.update`` and rounds those leaves back (:func:`stochastic_bfloat16`); a leaf ``inner``
     itself keeps in bfloat16 (``mu_dtype=jnp.bfloat16``) is thus rounded by ``inner`` first. Adam's state then takes 4 bytes per parameter
     instead of 8. Wrap the base optimizer before :func:`qsdp_jax.optim.qsdp`:
@@ -89,7 +97,7 @@ def compact_moments(
       seed: keys the rounding (use the run's seed).
 
     Raises:
-      ValueError: an unknown ``dtype``, or a negative ``seed``.
+      ValueError: an unknown ``dtype``, or a ``seed`` that is not an int in ``[0, 2**32)``.
     """
     if dtype not in DTYPES:
         raise ValueError(f"compact_moments dtype={dtype!r} is invalid: must be one of {DTYPES}")
@@ -100,14 +108,17 @@ def compact_moments(
     def init(params):
         state = inner.init(params)
         compact = [
-            keep and jnp.issubdtype(leaf.dtype, jnp.floating)
+            keep and leaf.dtype == jnp.float32
             for leaf, keep in zip(jax.tree_util.tree_leaves(state), param_shaped_leaves(state, params))
         ]
         return CompactMomentsState(count=jnp.zeros((), jnp.int32), inner=_store(state, compact, 0, seed))
 
     def update(updates, state: CompactMomentsState, params=None, **extra_args):
         leaves, treedef = jax.tree_util.tree_flatten(state.inner)
-        compact = [x.dtype == jnp.bfloat16 for x in leaves]
+        # the leaves init compacted: parameter-shaped (``updates`` has the params' paths and
+        # shapes) and stored in bfloat16
+        shaped = param_shaped_leaves(state.inner, updates)
+        compact = [keep and x.dtype == jnp.bfloat16 for x, keep in zip(leaves, shaped)]
         wide = [x.astype(jnp.float32) if c else x for x, c in zip(leaves, compact)]
         new_updates, new_inner = inner.update(updates, treedef.unflatten(wide), params, **extra_args)
         count = state.count + 1

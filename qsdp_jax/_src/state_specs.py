@@ -49,7 +49,7 @@ def _match(by_path: dict, path, leaf):
     """The ``by_path`` entry of the parameter ``leaf`` belongs to (its key path ends with the
     parameter's and its shape is the parameter's), or None."""
     shape, keys = tuple(leaf.shape), _keys(path)
-    for k in range(len(keys)):
+    for k in range(len(keys) + 1):  # the empty suffix: params that are one bare array
         hit = by_path.get(keys[k:])
         if hit is not None and hit[0] == shape:
             return hit
