@@ -60,7 +60,9 @@ def test_a_sharded_array_rounds_as_the_whole_one():
     sharded = jax.device_put(x, jax.NamedSharding(mesh, jax.P(None, "fsdp")))
     got = jax.jit(optim.stochastic_bfloat16)(sharded, jnp.uint32(11))
     assert got.sharding.spec == jax.P(None, "fsdp")
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(optim.stochastic_bfloat16(x, jnp.uint32(11)), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float32), np.asarray(optim.stochastic_bfloat16(x, jnp.uint32(11)), np.float32)
+    )
 
 
 def test_an_average_that_moves_less_than_half_a_step_still_moves():
@@ -162,7 +164,9 @@ def test_sharded_state_is_bfloat16_sharded_like_its_parameter_and_resumes_exactl
         back, _ = ckpt.restore(state0, cfg, mesh)
     resumed, losses2 = _run(step, back, 3, 6)
     assert losses2 == losses
-    for a, b in zip(jax.tree.leaves((resumed.params, resumed.opt_state)), jax.tree.leaves((straight.params, straight.opt_state))):
+    for a, b in zip(
+        jax.tree.leaves((resumed.params, resumed.opt_state)), jax.tree.leaves((straight.params, straight.opt_state))
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -120,7 +120,9 @@ def compact_moments(
         shaped = param_shaped_leaves(state.inner, updates)
         compact = [keep and x.dtype == jnp.bfloat16 for x, keep in zip(leaves, shaped)]
         wide = [x.astype(jnp.float32) if c else x for x, c in zip(leaves, compact)]
-        new_updates, new_inner = inner.update(updates, treedef.unflatten(wide), params, **extra_args)
+        new_updates, new_inner = inner.update(
+            updates, jax.tree_util.tree_unflatten(treedef, wide), params, **extra_args
+        )
         count = state.count + 1
         return new_updates, CompactMomentsState(count=count, inner=_store(new_inner, compact, count, seed))
 
@@ -138,4 +140,4 @@ def _store(state: PyTree, compact: list[bool], count, seed: int) -> PyTree:
         stochastic_bfloat16(x, randomness.derive_key(seed, PURPOSE_MOMENTS, count, i)) if c else x
         for i, (x, c) in enumerate(zip(leaves, compact))
     ]
-    return treedef.unflatten(out)
+    return jax.tree_util.tree_unflatten(treedef, out)
