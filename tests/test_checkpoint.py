@@ -33,14 +33,6 @@ def _setup(config, n=8):
     return mesh, state, step
 
 
-def _run(step, state, start, stop):
-    losses = []
-    for i in range(start, stop):
-        state, m = step(state, toymodel.batch(i))
-        losses.append(float(m["loss"]))
-    return state, losses
-
-
 def _bits(tree):
     return [
         np.asarray(x).view(np.uint32) if np.asarray(x).dtype == np.float32 else np.asarray(x)
@@ -64,8 +56,8 @@ def test_resume_is_bit_exact(name, tmp_path):
     """2k steps straight == k steps + save + restore into a fresh process state + k steps."""
     config = CONFIGS[name]
     mesh, state0, step = _setup(config)
-    straight, losses = _run(step, state0, 0, 2 * K)
-    half, first = _run(step, state0, 0, K)
+    straight, losses = toymodel.run(step, state0, 0, 2 * K)
+    half, first = toymodel.run(step, state0, 0, K)
     with Checkpointer(tmp_path, keep=2) as ckpt:
         ckpt.save(half, config, mesh, extra={"data_position": K})
         ckpt.wait()
@@ -74,7 +66,7 @@ def test_resume_is_bit_exact(name, tmp_path):
     assert extra == {"data_position": K} and int(restored.step) == K
     _assert_bitwise(restored.params, half.params)
     _assert_bitwise(restored.opt_state, half.opt_state)
-    resumed, second = _run(step, restored, K, 2 * K)
+    resumed, second = toymodel.run(step, restored, K, 2 * K)
     assert first + second == losses
     _assert_bitwise(resumed.params, straight.params)
     _assert_bitwise(resumed.opt_state, straight.opt_state)
@@ -87,8 +79,8 @@ def test_reshard_8_to_4_and_back(name, tmp_path):
     the same losses up to summation order (fp32) or gradient-quantization noise (W4G4)."""
     config = CONFIGS[name]
     mesh8, state0, step8 = _setup(config, 8)
-    half, _ = _run(step8, state0, 0, K)
-    straight, losses = _run(step8, half, K, 2 * K)
+    half, _ = toymodel.run(step8, state0, 0, K)
+    straight, losses = toymodel.run(step8, half, K, 2 * K)
     mesh4, fresh4, step4 = _setup(config, 4)
     with Checkpointer(tmp_path / "a", async_save=False) as ckpt:
         ckpt.save(half, config, mesh8)
@@ -103,7 +95,7 @@ def test_reshard_8_to_4_and_back(name, tmp_path):
         back, _ = ckpt.restore(state0, config, mesh8)
     _assert_bitwise(back.params, half.params)
     _assert_bitwise(back.opt_state, half.opt_state)
-    cont, losses4 = _run(step4, on4, K, 2 * K)
+    cont, losses4 = toymodel.run(step4, on4, K, 2 * K)
     if name == "fp32":  # same arithmetic, other summation order over devices
         np.testing.assert_allclose(losses4, losses, rtol=1e-5)
         for a, b in zip(jax.tree.leaves(q.gather_params(cont)), jax.tree.leaves(q.gather_params(straight))):
@@ -170,7 +162,7 @@ def test_half_written_checkpoint_is_never_picked_up(tmp_path):
     mesh, state, step = _setup(config)
     with Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(state, config, mesh)
-    later, _ = _run(step, state, 0, 1)
+    later, _ = toymodel.run(step, state, 0, 1)
     with Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(later, config, mesh)
     # make step 1 look half-written: orbax's temporary name, as during a save
@@ -204,8 +196,8 @@ def test_reshard_onto_2d_meshes_and_back(name, tmp_path):
     state bit for bit. Code-held weights alike (their codes are laid out like the grid)."""
     config = CONFIGS[name]
     mesh8, state0, step8 = _setup(config, 8)
-    half, _ = _run(step8, state0, 0, K)
-    _, losses = _run(step8, half, K, 2 * K)
+    half, _ = toymodel.run(step8, state0, 0, K)
+    _, losses = toymodel.run(step8, half, K, 2 * K)
     with Checkpointer(tmp_path / "a", async_save=False) as ckpt:
         ckpt.save(half, config, mesh8)
         for axes, placement in [
@@ -219,7 +211,7 @@ def test_reshard_onto_2d_meshes_and_back(name, tmp_path):
             for k in g8:
                 np.testing.assert_array_equal(g8[k], g2[k], err_msg=f"{axes}: {k}")
             _assert_bitwise(q.gather_params(on2), q.gather_params(half))
-            cont, losses2 = _run(step2, on2, K, 2 * K)
+            cont, losses2 = toymodel.run(step2, on2, K, 2 * K)
             assert int(cont.step) == 2 * K
             np.testing.assert_allclose(losses2, losses, rtol=0.05, err_msg=str(axes))
             if "node" in axes:
@@ -238,7 +230,7 @@ def test_a_grid_of_other_buckets_is_refused_or_regridded(tmp_path):
     step) and the gather is lossless again; every other leaf restores bit for bit."""
     config = q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", bucket_size=64, min_shard_size=128)
     mesh8, state8, step8 = _setup(config, 8)
-    state8, _ = _run(step8, state8, 0, 2)
+    state8, _ = toymodel.run(step8, state8, 0, 2)
     mesh4, fresh, step4 = _setup(config, 4)
     with Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(state8, config, mesh8)
@@ -254,7 +246,7 @@ def test_a_grid_of_other_buckets_is_refused_or_regridded(tmp_path):
     with optim.layout_context(on4.layout, mesh4, config.shard_axes):  # on the new grid exactly
         snapped = jax.jit(lambda p, o: optim.snap_to_grid(p, o, config))(on4.params, on4.opt_state)
     _assert_bitwise(snapped, on4.params)
-    cont, losses = _run(step4, on4, 2, 4)
+    cont, losses = toymodel.run(step4, on4, 2, 4)
     assert np.isfinite(losses).all()
 
 
@@ -264,7 +256,7 @@ def test_code_held_weights_of_other_buckets_are_refused(tmp_path):
     naming the leaf and what to do."""
     config = q.QSDPConfig.qsdp(4, 4, bucket_size=64, min_shard_size=128, weight_storage="codes")
     mesh8, state8, step8 = _setup(config, 8)
-    state8, _ = _run(step8, state8, 0, 1)
+    state8, _ = toymodel.run(step8, state8, 0, 1)
     mesh4, fresh, _ = _setup(config, 4)
     with Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(state8, config, mesh8)

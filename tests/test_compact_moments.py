@@ -138,14 +138,6 @@ def _setup(mesh, compact=True):
     return cfg, state, q.make_train_step(toymodel.loss, opt, mesh, cfg, donate=False)
 
 
-def _run(step, state, start, stop):
-    losses = []
-    for i in range(start, stop):
-        state, m = step(state, toymodel.batch(i))
-        losses.append(float(m["loss"]))
-    return state, losses
-
-
 def test_sharded_state_is_bfloat16_sharded_like_its_parameter_and_resumes_exactly(tmp_path):
     mesh = q.make_mesh()
     cfg, state0, step = _setup(mesh)
@@ -153,16 +145,16 @@ def test_sharded_state_is_bfloat16_sharded_like_its_parameter_and_resumes_exactl
     for p, mu, nu in zip(*(jax.tree.leaves(t) for t in (state0.params, adam.mu, adam.nu))):
         assert mu.dtype == nu.dtype == jnp.bfloat16
         assert mu.sharding.spec == nu.sharding.spec == p.sharding.spec
-    half, _ = _run(step, state0, 0, 3)
-    straight, losses = _run(step, half, 3, 6)
+    half, _ = toymodel.run(step, state0, 0, 3)
+    straight, losses = toymodel.run(step, half, 3, 6)
     _, wide0, wide_step = _setup(mesh, compact=False)
-    _, wide_losses = _run(wide_step, wide0, 0, 6)
+    _, wide_losses = toymodel.run(wide_step, wide0, 0, 6)
     np.testing.assert_allclose(losses, wide_losses[3:], rtol=2e-2)  # trains like float32 moments
     assert losses != wide_losses[3:]  # but is not them
     with Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(half, cfg, mesh)
         back, _ = ckpt.restore(state0, cfg, mesh)
-    resumed, losses2 = _run(step, back, 3, 6)
+    resumed, losses2 = toymodel.run(step, back, 3, 6)
     assert losses2 == losses
     for a, b in zip(
         jax.tree.leaves((resumed.params, resumed.opt_state)), jax.tree.leaves((straight.params, straight.opt_state))

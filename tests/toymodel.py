@@ -54,3 +54,12 @@ def batch(seed=0, n=32):
         "x": jnp.asarray(r.normal(size=(n, IN)), jnp.float32),
         "y": jnp.asarray(r.normal(size=(n, 3)), jnp.float32),
     }
+
+
+def run(step, state, start, stop):
+    """Steps ``start .. stop - 1`` on ``batch(i)``: the final state and the losses as floats."""
+    losses = []
+    for i in range(start, stop):
+        state, m = step(state, batch(i))
+        losses.append(float(m["loss"]))
+    return state, losses
