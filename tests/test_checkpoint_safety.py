@@ -16,6 +16,7 @@ import pytest
 import jax
 import qsdp_jax as q
 import test_checkpoint
+import toymodel
 from qsdp_jax.checkpoint import CheckpointDamaged, CheckpointLocked, Checkpointer
 from tests.trainer_flags import trainer_flags
 
@@ -28,7 +29,7 @@ def _setup():
     return test_checkpoint._setup(CONFIG)
 
 
-_run = test_checkpoint._run
+_run = toymodel.run
 
 
 def _leaves(tree):
