@@ -183,3 +183,33 @@ def test_monitor_reports_a_lost_coordinator_when_this_process_fails_at_that_mome
     peer.fail("JaxRuntimeError: UNAVAILABLE: Connection reset by peer")
     assert _wait_exit(peer) == [75]
     assert "process 0 of 2 (the coordinator) died or was killed" in capsys.readouterr().err
+
+
+def test_monitor_waits_a_moment_for_the_death_behind_its_own_failure(monkeypatch, capsys):
+    """This process's collective fails first and the dead peer's connection closes 0.2 s
+    later: the failing process still names the peer (it waits up to peers._FAIL_WAIT_S)."""
+    import time
+
+    hub, peer = _pair(monkeypatch)
+    peer._stop.set()  # process 1 killed; its sockets close a moment after process 0's error
+    peer._wake[1].send(b"x")
+    peer._thread.join()
+    closer = threading.Timer(0.2, lambda: [s.close() for s in list(peer._conns)])
+    closer.start()
+    t0 = time.monotonic()
+    hub.fail("JaxRuntimeError: gloo: Connection closed by peer")
+    closer.join()
+    assert _wait_exit(hub) == [75]
+    assert time.monotonic() - t0 < peers._FAIL_WAIT_S + 1.0
+    assert "process 0 of 2 stops: process 1 of 2 died or was killed" in capsys.readouterr().err
+
+
+def test_a_failing_process_with_live_peers_waits_no_longer_than_the_bound(monkeypatch):
+    import time
+
+    hub, peer = _pair(monkeypatch)
+    t0 = time.monotonic()
+    hub.fail("RuntimeError: boom")  # the peer lives on: no exit, back within the wait
+    assert time.monotonic() - t0 < peers._FAIL_WAIT_S + 0.5 and hub.exits == []
+    assert _wait_exit(peer) == [75]
+    peer._close(b"")

@@ -28,13 +28,16 @@ error to Python (nanobind ``std::bad_cast``, then ``std::terminate``). This modu
   in practice.
 
 A process that finishes calls :meth:`PeerMonitor.finish` (or leaves the ``with`` block) so that
-its exit is not taken for a death.
+its exit is not taken for a death. One that fails calls :meth:`PeerMonitor.fail`, which first
+waits up to ``_FAIL_WAIT_S`` for a peer's connection to close: a peer's death is what makes a
+collective fail, and its connection may close a moment after the error reaches this process.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import select
 import selectors
 import socket
 import threading
@@ -59,6 +62,7 @@ EXIT_PEER_LOST = 75  # EX_TEMPFAIL: as qsdp_jax.watchdog: restart the run and re
 _KEY = "qsdp_jax/peers"
 _SESSIONS = {"n": 0}
 _GRACE_S = 2.0
+_FAIL_WAIT_S = 0.5  # how long a failing process waits for a peer's connection to close
 
 
 class PeerMonitor:
@@ -253,10 +257,18 @@ class PeerMonitor:
             except OSError:
                 pass  # a full buffer (a frozen peer) or a closed connection: seen elsewhere
 
-    def _drain(self) -> None:
-        """Read what has arrived (a closed connection included) without waiting."""
-        for sock in [s for s, info in self._conns.items() if info["id"] is not None]:
-            self._read(sock)
+    def _drain(self, wait_s: float = 0.0) -> None:
+        """Read what has arrived (a closed connection included), and what arrives within
+        ``wait_s``, unless a lost peer is reported first."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            socks = [s for s, info in self._conns.items() if info["id"] is not None]
+            for sock in socks:
+                self._read(sock)
+            left = deadline - time.monotonic()
+            if left <= 0 or self._reported.locked() or not socks:
+                return
+            select.select([s for s in socks if s in self._conns], [], [], left)
 
     def _drop(self, sock: socket.socket) -> None:
         self._conns.pop(sock, None)
@@ -275,7 +287,8 @@ class PeerMonitor:
 
     def fail(self, reason: str) -> None:
         """This process stops before the run finished (an error): the others stop at once,
-        naming it. Returns (the caller goes on with its own error)."""
+        naming it. A peer whose connection closes within ``_FAIL_WAIT_S`` (0.5 s) is reported
+        as lost instead (status 75). Returns (the caller goes on with its own error)."""
         self._close(f"EXIT {reason.splitlines()[0][:300] if reason else 'no reason given'}\n".encode())
 
     def _at_exit(self) -> None:
@@ -288,7 +301,9 @@ class PeerMonitor:
         self._wake[1].send(b"x")
         self._thread.join(timeout=5)
         if message.startswith(b"EXIT"):
-            self._drain()  # a peer lost at the moment this process fails: that is the news
+            # a peer lost at the moment this process fails is the news, and the peer's death
+            # that made this process's collective fail may close its connection a moment later
+            self._drain(wait_s=_FAIL_WAIT_S)
         if self.me == 0 and message.startswith(b"EXIT"):
             message = f"GONE {self._name(0)} stopped before the run finished ({message[5:-1].decode()})\n".encode()
         self._send_all(message, blocking=True)
