@@ -2,6 +2,7 @@
 
 import functools
 import hashlib
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -155,11 +156,30 @@ MAIN = {
     "W8G8": ([3.9363293647766113, 2.7535712718963623, 3.159806966781616], "247d5eb54a418d79"),
     "comm-W4G3": ([3.8809120655059814, 2.8069610595703125, 3.1208009719848633], "646f8d1c2db01c03"),
 }
+# The bits above are the recording host's: XLA:CPU generates code for the CPU it runs on, and
+# another one rounds the float32 init, matmuls and tanh otherwise. A CI machine gave a first W8G8
+# loss of 3.9363298416 for 3.9363293648, and this host capped at AVX2
+# (XLA_FLAGS=--xla_cpu_max_isa=AVX2) a third of 3.1595287 for 3.1598070: the quantizers' rounding
+# turns a last-bit difference into 9e-5 relative in three steps. So the bits are compared on a CPU
+# like the recording host's (its model and instruction-set flags, `_cpu`), the losses everywhere.
+RECORDING_CPU = "2d25b1161c963742"
+LOSS_RTOL = 1e-3
 OFF = {
     "W4G4sr": q.QSDPConfig.qsdp(4, 4, weight_rounding="stochastic", **SMALL),
     "W8G8": q.QSDPConfig.qsdp(8, 8, weight_rounding="shift", **SMALL),  # recorded when shift was the default
     "comm-W4G3": q.QSDPConfig(weight_bits=4, grad_bits=3, weight_mode="comm", **SMALL),
 }
+
+
+def _cpu():
+    """A digest of this machine's architecture, CPU model and flags (/proc/cpuinfo where there is one)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+    except OSError:
+        lines = [platform.processor()]
+    text = platform.machine() + "".join(sorted(set(lines)))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @pytest.mark.optimized  # the digests were recorded with XLA's default optimizations
@@ -168,6 +188,9 @@ def test_switches_off_reproduce_main_bit_for_bit(name):
     cfg = OFF[name]
     assert cfg.grad_rotation is None and cfg.stats_dtype == "float32"
     _, state, losses = _train(cfg, 3)
+    np.testing.assert_allclose(losses, MAIN[name][0], rtol=LOSS_RTOL)
+    if _cpu() != RECORDING_CPU:
+        pytest.skip(f"the losses agree to rtol={LOSS_RTOL}; the bits were recorded on another kind of CPU")
     assert (losses, _digest((state.params, state.opt_state))) == MAIN[name]
 
 
