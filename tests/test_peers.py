@@ -213,3 +213,54 @@ def test_a_failing_process_with_live_peers_waits_no_longer_than_the_bound(monkey
     assert time.monotonic() - t0 < peers._FAIL_WAIT_S + 0.5 and hub.exits == []
     assert _wait_exit(peer) == [75]
     peer._close(b"")
+
+
+@pytest.mark.parametrize("accepted", [False, True], ids=["in-backlog", "hello-unread"])
+@pytest.mark.parametrize("end", ["finish", "fail"])
+def test_the_hub_ends_for_a_peer_it_has_not_yet_heard_from(monkeypatch, capsys, end, accepted):
+    """Process 0 stops (both processes found the same settings error) before its watching
+    thread accepted process 1's connection, or before it read process 1's HELLO: its BYE (or
+    GONE) still reaches process 1, which must not take the closed connection for a death (the
+    CI flake of codes [-6, 75]: process 1 exited 75, and JAX aborted process 0 at shutdown)."""
+    import time
+
+    from jax._src import distributed as jd
+
+    kv = _FakeKV()
+    ids = iter([(kv, 0, 2), (kv, 1, 2)])
+    monkeypatch.setattr(agreement, "client_and_ids", lambda: next(ids))
+    monkeypatch.setattr(jd.global_state, "coordinator_address", "127.0.0.1:1")
+    monkeypatch.setattr(peers, "_GRACE_S", 0.2)
+    hub = peers.PeerMonitor(5.0, connect_timeout_s=5, _exit=[].append)
+
+    def starved():  # the watching thread never gets to the connection (or past accepting it)
+        while accepted and not hub._stop.is_set() and len(hub._conns) < 1:
+            for key, _ in hub._sel.select(timeout=0.05):
+                if key.data == "listen":
+                    hub._add(key.fileobj.accept()[0], None)
+        hub._stop.wait()
+
+    hub._run = starved
+    hub.start()
+    peers._SESSIONS["n"] -= 1
+    exits = []
+    peer = peers.PeerMonitor(5.0, connect_timeout_s=5, _exit=exits.append).start()
+    peers._SESSIONS["n"] -= 1
+    deadline = time.monotonic() + 5
+    while accepted and not hub._conns:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert all(info["id"] is None for info in hub._conns.values())
+    if end == "finish":
+        hub.finish()
+    else:
+        hub.fail("CLIError: the processes of this run were started with different trainer settings")
+    time.sleep(0.2 + 0.5)  # the peer's grace for a GONE, and then some
+    err = capsys.readouterr().err
+    assert "died or was killed" not in err, err
+    if end == "finish":
+        assert exits == [], err
+        peer.finish()
+    else:
+        assert exits == [75] and "process 0 of 2 (the coordinator) stopped before the run finished (CLIError" in err, err
+        peer._close(b"")

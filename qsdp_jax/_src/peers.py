@@ -245,9 +245,8 @@ class PeerMonitor:
         self._exit(self.exit_code)
 
     def _send_all(self, data: bytes, blocking: bool = False) -> None:
-        for sock, info in list(self._conns.items()):
-            if info["id"] is None:
-                continue
+        # to every connection, also one whose HELLO is still unread: it is a peer all the same
+        for sock in list(self._conns):
             try:
                 if blocking:
                     sock.settimeout(1.0)
@@ -262,13 +261,24 @@ class PeerMonitor:
         ``wait_s``, unless a lost peer is reported first."""
         deadline = time.monotonic() + wait_s
         while True:
-            socks = [s for s, info in self._conns.items() if info["id"] is not None]
+            socks = list(self._conns)
             for sock in socks:
                 self._read(sock)
             left = deadline - time.monotonic()
             if left <= 0 or self._reported.locked() or not socks:
                 return
             select.select([s for s in socks if s in self._conns], [], [], left)
+
+    def _accept_waiting(self) -> None:
+        """Process 0: accept the connections still in the listening socket's backlog (a peer
+        connected, the watching thread had not got to it), so that the last message reaches
+        them; closing the listening socket would reset them, a death to the peer."""
+        while self._server is not None:
+            try:
+                sock = self._server.accept()[0]
+            except OSError:  # BlockingIOError: none left
+                return
+            self._add(sock, None)
 
     def _drop(self, sock: socket.socket) -> None:
         self._conns.pop(sock, None)
@@ -300,6 +310,7 @@ class PeerMonitor:
         self._stop.set()
         self._wake[1].send(b"x")
         self._thread.join(timeout=5)
+        self._accept_waiting()
         if message.startswith(b"EXIT"):
             # a peer lost at the moment this process fails is the news, and the peer's death
             # that made this process's collective fail may close its connection a moment later
