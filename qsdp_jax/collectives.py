@@ -40,7 +40,7 @@ from qsdp_jax._src.payload_codec import (  # noqa: F401  (re-exported for caller
     stats_kernels,
 )
 from qsdp_jax._src.gather_pair import make_coded_gather, make_gather, make_gather_pieces  # noqa: F401  (re-exported)
-from qsdp_jax._src.packing import split_flat
+from qsdp_jax._src.packing import gather_each_piece
 from qsdp_jax._src.payload import (  # noqa: F401  (the wire format; re-exported for callers of collectives)
     cpu_boundary,
     dequantize_rows,
@@ -345,7 +345,7 @@ class GatherSpec:
           ValueError: as :meth:`gather`.
         """
         if self.weight_mode == "full":
-            return split_flat(self.gather(shard, grid).reshape(-1, shard.shape[-1]), spans)
+            return gather_each_piece(self, shard, spans)
         if self.weight_mode == "qsdp" and grid is None:
             raise ValueError("weight_mode='qsdp' gathers need the grid the shard lies on")
         assert self.weight_bits is not None  # QSDPConfig: 'qsdp' / 'comm' weights have bits

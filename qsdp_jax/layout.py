@@ -19,9 +19,10 @@ row-major and padded to whole buckets, holds buckets ``i * nb .. (i + 1) * nb - 
 
 **Communication** stays one collective per group (per layer): inside the step each group's local
 shards are packed into one flat buffer (each leaf's block padded to whole buckets, then
-concatenated: :mod:`qsdp_jax._src.packing`), all-gathered (quantized) and unpacked into the full
-leaves; the gradient comes back through one reduce-scatter of the same buffer. A bit policy
-gives a group one buffer per distinct bits.
+concatenated: :mod:`qsdp_jax._src.packing`), all-gathered (quantized) and decoded into the full
+leaves; the gradient comes back through one reduce-scatter of the same buffer. An unquantized
+gather sends each leaf's block in an all-gather of its own (the same bytes; no copy of each leaf
+out of a gathered float buffer). A bit policy gives a group one buffer per distinct bits.
 """
 
 from __future__ import annotations

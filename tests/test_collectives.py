@@ -294,3 +294,42 @@ def test_gather_pieces_are_the_gathered_buffer_cut_and_their_vjp_the_reduce_scat
         np.testing.assert_array_equal(np.asarray(c), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(g_got), np.asarray(g_want))
     np.testing.assert_array_equal(np.asarray(g_coded), np.asarray(g_want))
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_unquantized_gather_pieces_gather_each_piece_alone(mesh, name):
+    """An unquantized gather (``"full"`` weights) sends each piece in an all-gather of its own:
+    the pieces and their gradient are those of the gathered buffer cut (bit for bit), and the
+    compiled gathers carry the pieces' bytes, not the whole buffer's (no layer-sized float buffer
+    to copy the leaves out of)."""
+    import re
+
+    from qsdp_jax._src.packing import split_flat
+
+    config = getattr(q.QSDPConfig, name)(bucket_size=BUCKET)
+    spec = qc.GatherSpec.from_config(config)
+    chunk = 4 * BUCKET
+    spans = ((0, BUCKET + 5), (2 * BUCKET, 2 * BUCKET))  # a partial bucket, a gap, a whole piece
+    pieces_fn, full_fn = qc.make_gather_pieces(spec, spans, chunk), qc.make_gather(spec)
+    x = _weights(seed=80)
+    w = [_weights(N * N * n, seed=81 + i).reshape(N * N, n) for i, n in enumerate((BUCKET + 5, 2 * BUCKET))]
+
+    def pieces_only(shard):
+        return [p[None] for p in pieces_fn(shard, None, jnp.uint32(5))]
+
+    def f(shard, w0, w1):
+        key = jnp.uint32(5)
+        got = pieces_fn(shard, None, key)
+        want = split_flat(full_fn(shard, None, key).reshape(N, chunk), spans)
+        loss = lambda ps: sum(jnp.sum(p * wd) for p, wd in zip(ps, (w0, w1)))  # noqa: E731
+        g_got = jax.grad(lambda s: loss(pieces_fn(s, None, key)))(shard)
+        g_want = jax.grad(lambda s: loss(split_flat(full_fn(s, None, key).reshape(N, chunk), spans)))(shard)
+        return [p[None] for p in got + want], g_got, g_want
+
+    pieces, g_got, g_want = _smap(mesh, f, (P(AXIS),) * 3, ([P(AXIS)] * 4, P(AXIS), P(AXIS)))(x, *w)
+    for a, b in zip(pieces[:2], pieces[2:]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(g_got), np.asarray(g_want))
+    hlo = _smap(mesh, pieces_only, P(AXIS), [P(AXIS)] * 2).lower(x).compile().as_text()
+    gathered = sorted(int(m) for m in re.findall(r"= [a-z0-9]+\[(\d+)\]\{[^}]*\} all-gather\(", hlo))
+    assert gathered == [N * (BUCKET + 5), N * 2 * BUCKET], gathered

@@ -262,5 +262,7 @@ def test_the_hub_ends_for_a_peer_it_has_not_yet_heard_from(monkeypatch, capsys, 
         assert exits == [], err
         peer.finish()
     else:
-        assert exits == [75] and "process 0 of 2 (the coordinator) stopped before the run finished (CLIError" in err, err
+        assert exits == [75] and "process 0 of 2 (the coordinator) stopped before the run finished (CLIError" in err, (
+            err
+        )
         peer._close(b"")

@@ -45,7 +45,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from qsdp_jax._src import quantizers as qz
-from qsdp_jax._src.packing import split_flat
+from qsdp_jax._src.packing import gather_each_piece, split_flat
 from qsdp_jax.collectives import (
     GatherSpec,
     all_gather_fp,
@@ -297,7 +297,9 @@ class TwoLevelSpec:
         if self.hybrid:
             return self._inner_1d().gather_pieces(shard, grid, spans)
         bits = self.outer_weight_bits
-        if bits is None or bits != self.inner_weight_bits:  # full or per-level bits: the buffer
+        if self.weight_mode == "full":
+            return gather_each_piece(self, shard, spans)
+        if bits is None or bits != self.inner_weight_bits:  # per-level bits: the buffer
             return split_flat(self.gather(shard, grid).reshape(-1, shard.shape[-1]), spans)
         if self.weight_mode == "qsdp" and grid is None:
             raise ValueError("weight_mode='qsdp' gathers need the grid the shard lies on")
