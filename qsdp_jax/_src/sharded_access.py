@@ -8,7 +8,8 @@ leaves; the backward pass of the gather reduce-scatters the buffer's gradient (q
 each device receives the summed gradient of its own blocks. ``call(group, fn, *args)`` gathers for
 one call of ``fn`` and again in its backward pass (:mod:`qsdp_jax._src.regather`).
 ``scan(group, ...)`` does the same one layer at a time inside a rematerialised ``lax.scan`` body,
-so peak memory holds one layer.
+so peak memory holds one layer; its backward pass is :func:`qsdp_jax._src.layer_scan.remat_scan`'s,
+whose gradient buffers exist only from when the backward pass starts.
 
 Code-held weights (:mod:`qsdp_jax._src.weight_codes`): the payload of a code-held buffer is built
 from the stored codes and grid and gathered as it is (:func:`qsdp_jax.collectives.make_coded_gather`);
@@ -28,6 +29,7 @@ from jax import lax
 
 from qsdp_jax._src import packing
 from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.layer_scan import remat_scan
 from qsdp_jax._src.regather import regathered, tie
 from qsdp_jax.collectives import make_coded_gather, make_gather_pieces, payload_from_packed
 from qsdp_jax.config import QSDPConfig
@@ -174,11 +176,11 @@ class ShardedParams:
         grids = self._group_grids(g)
         codes = self._codes_of[group]
 
-        def layer(carry, inputs):
-            blocks_l, grids_l, codes_l, index, x = inputs
+        def layer(carry, diff, const):
+            (blocks_l, x), (grids_l, codes_l, index) = diff, const
             return body(carry, self._full_leaves(g, blocks_l, grids_l, index, codes_l), x)
 
-        if remat:
-            layer = jax.checkpoint(layer, prevent_cse=False)
         indices = jnp.arange(g.n_layers, dtype=jnp.int32)
-        return lax.scan(layer, init, (blocks, grids, codes, indices, xs))
+        if remat:  # the backward's gradient buffers exist from when it starts (layer_scan)
+            return remat_scan(layer, init, (blocks, xs), (grids, codes, indices))
+        return lax.scan(lambda c, x: layer(c, *x), init, ((blocks, xs), (grids, codes, indices)))
