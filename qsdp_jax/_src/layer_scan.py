@@ -9,7 +9,7 @@ zeros that depend on nothing, and XLA:CPU allocated them at the start of the ste
 were live through the whole forward pass, whose peak they raised. Here the backward loop
 accumulates those gradients in buffers tied to the incoming cotangent (``zeros + 0 * c``), which
 cannot exist before the backward pass begins (GPT-1.3B, 8 devices: the fp32 step's peak 4162 ->
-3953 MB, below the plain GSPMD step's 4065).
+3951 MB, below the plain GSPMD step's 4065).
 
 The layer may close over values of the enclosing trace (a mask, another group's weights): they
 are hoisted with ``jax.closure_convert`` and get their gradient, summed over the layers.
