@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qsdp_jax._src.regather import tie
+from qsdp_jax._src.regather import tie, tied
 
 PyTree = Any
 
@@ -106,11 +106,9 @@ def _make_run(fn, n: int):
     def bwd(res, ct):
         carries, xs, consts, hoisted = res
         ct_carry, ct_ys = ct
-        t = tie(_floats(ct_carry)) if _floats(ct_carry) else tie(_floats(ct_ys))
-        tied = lambda x: jnp.zeros_like(x) + (0 if t is None else t.astype(x.dtype))  # noqa: E731
-        bufs = [tied(x) for x in _floats(xs)]
-        h_cts = [tied(h) for h in _floats(hoisted)]
-
+        t = tie((ct_carry, ct_ys))  # float0 cotangents are not floating: skipped
+        bufs = tied([jnp.zeros_like(x) for x in _floats(xs)], t)
+        h_cts = tied([jnp.zeros_like(h) for h in _floats(hoisted)], t)
         ct_y_floats = _floats(ct_ys)
 
         def step(state, i):

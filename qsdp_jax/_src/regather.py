@@ -38,7 +38,9 @@ def tie(tree) -> jax.Array | None:
     return None
 
 
-def _tied(blocks: list, t: jax.Array | None) -> list:
+def tied(blocks: list, t: jax.Array | None) -> list:
+    """``blocks`` each plus ``t`` (a :func:`tie`): values XLA cannot compute before ``t`` exists;
+    as they are when ``t`` is None."""
     return list(blocks) if t is None else [x + t.astype(x.dtype) for x in blocks]
 
 
@@ -68,8 +70,8 @@ def regathered(gather: Callable[[list], PyTree], fn: Callable[..., Any], blocks:
 
     def bwd(res, ct):
         b, xs = res
-        _, vjp = jax.vjp(lambda b, xs: run(_tied(b, tie(ct)), xs), b, xs)
+        _, vjp = jax.vjp(lambda b, xs: run(tied(b, tie(ct)), xs), b, xs)
         return vjp(ct)
 
     call.defvjp(fwd, bwd)
-    return call(_tied(blocks, prefetch), tuple(inputs))
+    return call(tied(blocks, prefetch), tuple(inputs))
