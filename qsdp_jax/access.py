@@ -6,8 +6,9 @@ A model's loss function is written once against :class:`ParamAccess` and receive
   evaluation, a notebook), or
 * ``qsdp_jax.train.ShardedParams`` inside the sharded train step, where ``gather`` performs the
   (quantized) all-gather of a group's weights, ``call`` gathers them for one function call and
-  again in its backward pass, and ``scan`` gathers one layer at a time inside a ``lax.scan``, so
-  that peak memory holds a single layer's full weights.
+  again in its backward pass, ``scan`` gathers one layer at a time inside a ``lax.scan``, so
+  that peak memory holds a single layer's full weights, and ``take`` reads rows of a table (an
+  embedding lookup) from the devices' blocks without the table.
 
 Parameters are a dict of *groups*: ``{"embed": {...}, "blocks": {...}, ...}``. A group named in
 ``stacked`` holds layer-stacked leaves whose leading axis is the layer index.
@@ -18,7 +19,10 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 import jax
+import jax.numpy as jnp
 from jax import lax
+
+from qsdp_jax._src import policy
 
 PyTree = Any
 # body(carry, layer_params, x) -> (carry, y)
@@ -71,6 +75,35 @@ class ParamAccess(Protocol):
         Raises:
           KeyError: no group of that name.
           ValueError: (sharded step) the group is layer-stacked: read it with :meth:`scan`.
+        """
+        ...
+
+    def take(self, path: str, ids: jax.Array) -> jax.Array:
+        """``jnp.take(leaf, ids, axis=0)`` of one leaf of a non-stacked group: the rows of an
+        embedding table.
+
+        In the sharded step the rows are read from the devices' blocks of the leaf: neither
+        pass holds the whole table or a table-sized gradient, and the rows' gradient reaches the
+        blocks exactly (float32), not through the table's reduce-scatter
+        (``qsdp_jax._src.sharded_take``). A table with no more rows than all the devices' ids
+        together (a position table) is all-gathered alone, unquantized, instead. The rows are the weights as stored: in ``"qsdp"``
+        mode (on the grid) and in float32 FSDP the bits :meth:`gather` gives; in ``"comm"``
+        mode or with bfloat16 gathers, the weights before the gather's rounding. For a tied
+        embedding, ``take`` the lookup and :meth:`gather` the table for the output projection
+        only.
+
+        Args:
+          path: the leaf's path, ``"group/key/..."`` (``ParamLayout.leaf_paths()``).
+          ids: integer ids, any shape (in the sharded step: this device's). Out-of-range ids
+            give NaN rows and negative ones count from the end, as with ``jnp.take``.
+
+        Returns:
+          The rows, shape ``ids.shape + leaf.shape[1:]``.
+
+        Raises:
+          KeyError: no group or leaf of that path.
+          TypeError: ``ids`` are not integers.
+          ValueError: the group is layer-stacked, or the leaf is a scalar.
         """
         ...
 
@@ -154,6 +187,19 @@ class LocalParams:
         """
         return fn(self.gather(group), *args)
 
+    def take(self, path: str, ids: jax.Array) -> jax.Array:
+        """``jnp.take(leaf, ids, axis=0)`` of the leaf at ``path`` (:meth:`ParamAccess.take`).
+
+        Raises:
+          KeyError: no group or leaf of that path.
+          TypeError: ``ids`` are not integers.
+          ValueError: the leaf is a scalar.
+        """
+        group = _check_group(self._params, path.split("/")[0])
+        leaf = leaf_at(self._params[group], group, path)
+        check_take(path, jnp.ndim(leaf), ids)
+        return jnp.take(leaf, ids, axis=0)
+
     def scan(self, group, body, init, xs=None, *, remat=True):
         """``lax.scan`` of ``body`` over the leading (layer) axis of ``group``'s leaves.
 
@@ -179,6 +225,26 @@ class LocalParams:
         if remat:
             step = jax.checkpoint(step)
         return lax.scan(step, init, (stacked, xs))
+
+
+def leaf_at(tree: PyTree, group: str, path: str) -> Any:
+    """The leaf of ``group``'s ``tree`` at ``path`` (``"group/key/..."``).
+
+    Raises:
+      KeyError: no leaf of that path, naming the group's paths.
+    """
+    paths = policy.tree_paths(group, tree)
+    if path not in paths:
+        raise KeyError(f"no leaf {path!r} in group {group!r}; its leaves are {paths}")
+    return jax.tree_util.tree_leaves(tree)[paths.index(path)]
+
+
+def check_take(path: str, ndim: int, ids) -> None:
+    """``TypeError`` for non-integer ``ids``; ``ValueError`` for a scalar leaf."""
+    if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+        raise TypeError(f"take({path!r}): ids must be integers, got {jnp.result_type(ids)}")
+    if ndim == 0:
+        raise ValueError(f"take({path!r}): the leaf is a scalar; take reads rows of a table")
 
 
 def _check_group(params: dict, group: str) -> str:

@@ -53,3 +53,16 @@ def test_code_held_weights_row(tmp_path):
     saved = (held["state_bytes"] - coded["state_bytes"]) * 8 / held["n_params"]
     assert 2.5 < saved < 3.0  # 3 bytes a sharded parameter, less the replicated small leaves
     assert coded["peak_bytes"] < held["peak_bytes"]
+
+
+def test_take_row_reads_the_embeddings_as_rows(tmp_path):
+    """+take: the GPT built with embed_lookup="take"; the plain GSPMD step is the same program."""
+    from experiments.shelf.schemes import embed_lookup
+
+    assert embed_lookup("qsdp-W8G8+codes+take") == "take" and embed_lookup("qsdp-W8G8+codes") == "gather"
+    out = tmp_path / "m.json"
+    argv = ["--models", "tiny", "--schemes", "gspmd", "gspmd+take", "fp32+take", "--devices", "8", "--out", str(out)]
+    assert bm.main(argv) == 0
+    gspmd, gspmd_take, fp32_take = json.loads(out.read_text())["rows"]
+    assert gspmd_take["peak_bytes"] == gspmd["peak_bytes"]
+    assert fp32_take["scheme"] == "fp32+take" and "+take" in json.loads(out.read_text())["table"]

@@ -1,5 +1,6 @@
 """Tests for experiments/gpt/model.py: config, init, forward through ParamAccess, training."""
 
+import dataclasses
 import math
 
 import chex
@@ -11,6 +12,7 @@ import pytest
 
 from experiments.gpt import model as gpt
 from experiments.gpt.model import GPT, GPTConfig
+import qsdp_jax as q
 from qsdp_jax.access import LocalParams
 
 TINY = dict(seq_len=16, d_model=32, n_layers=2, n_heads=4)
@@ -53,6 +55,7 @@ def params(model):
         ("tie_embeddings", 1, "bool"),
         ("dtype", "int32", "floating"),
         ("param_dtype", "not-a-dtype", "dtype"),
+        ("embed_lookup", "rows", "one of ('gather', 'take')"),
     ],
 )
 def test_config_rejects_bad_field(field, value, rule):
@@ -280,6 +283,37 @@ def test_recreated_leaves_and_access_pattern(model, params):
     bad = {**params, "head": {"ln_f": {"scale": params["head"]["ln_f"]["scale"]}}}
     with pytest.raises(ValueError, match="structure"):
         jax.eval_shape(lambda p: model.loss(LocalParams(p), batch), bad)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_embed_lookup_take_reads_the_same_rows(tie):
+    """``embed_lookup="take"``: ``p.take`` rows instead of the gathered table, the same logits bit
+    for bit on one device (``jnp.take`` either way), and the same gradients."""
+    cfg = GPTConfig(**TINY, tie_embeddings=tie)
+    gather, take = GPT(cfg), GPT(dataclasses.replace(cfg, embed_lookup="take"))
+    params, batch = gather.init_params(0), _batch()
+    inputs = batch["inputs"]
+    np.testing.assert_array_equal(gather.logits(LocalParams(params), inputs), take.logits(LocalParams(params), inputs))
+    grads = [jax.grad(lambda p, m=m: m.loss(LocalParams(p), batch))(params) for m in (gather, take)]
+    chex.assert_trees_all_close(*grads, rtol=1e-6, atol=1e-7)
+
+
+def test_embed_lookup_take_in_the_sharded_step_never_gathers_for_the_lookup():
+    """Sharded (8 devices, fp32, untied): the same first loss as gathering the table, which the
+    step then never holds whole (the rows are taken, the small position table gathered alone)."""
+    cfg = GPTConfig(**{**TINY, "vocab_size": 1024}, tie_embeddings=False)
+    mesh, config = q.make_mesh(), q.QSDPConfig.fp32()
+    batch = {k: v[:8] for k, v in _batch(B=8).items()}
+    out = {}
+    for lookup in ("gather", "take"):
+        model = GPT(dataclasses.replace(cfg, embed_lookup=lookup))
+        opt = q.optim.qsdp(optax.adam(1e-3), config)
+        state = q.init_train_state(model.init_params(0), opt, mesh, config, stacked=model.stacked_groups)
+        compiled = q.make_train_step(model.loss, opt, mesh, config).lower(state, batch).compile()
+        out[lookup] = (float(compiled(state, batch)[1]["loss"]), compiled.as_text())
+    assert out["take"][0] == out["gather"][0]
+    table = "f32[1024,32]"  # the token table, whole
+    assert table in out["gather"][1] and table not in out["take"][1]
 
 
 def test_bfloat16_compute():

@@ -13,7 +13,9 @@ baseline of column ``vs gspmd``; the others are :func:`qsdp_jax.make_train_step`
 weights as their codes (``weight_storage="codes"``: 1 byte per weight at 8 bits instead of 4),
 ``+mu-bf16`` keeps adam's first moment in bfloat16 (``optax.adam(mu_dtype=jnp.bfloat16)``: 2
 bytes less state per parameter), ``+moments-bf16`` both moments, rounded stochastically
-(``qsdp_jax.optim.compact_moments``: 4 bytes less). ``compiled.memory_analysis()`` gives the program's
+(``qsdp_jax.optim.compact_moments``: 4 bytes less), ``+take`` reads the embeddings as rows
+(``GPTConfig(embed_lookup="take")``, ``ParamAccess.take``; ``gspmd+take`` is ``gspmd``: on the
+plain step it is ``jnp.take`` of the table either way). ``compiled.memory_analysis()`` gives the program's
 buffers per device; the peak is ``arguments + outputs - aliased (donated) + temporaries``.
 
 Next to it, the ideal of FSDP: the sharded train state per device (parameters, optimizer state,
@@ -37,7 +39,7 @@ if TYPE_CHECKING:  # the steps qsdp_jax returns are typed Callable; they forward
     from jax.stages import Wrapped
 
 from experiments.gpt.devices import simulate_cpu_devices
-from experiments.shelf.schemes import base_optimizer, scheme_config, split_scheme
+from experiments.shelf.schemes import base_optimizer, embed_lookup, scheme_config, split_scheme
 
 MODELS = ("tiny", "small", "medium", "gpt-125m", "gpt-350m", "gpt-1.3b")
 SCHEMES = ("gspmd", "fp32", "qsdp-W8G8")
@@ -106,7 +108,7 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
     if n_devices > len(devices):
         raise ValueError(f"{n_devices} devices asked, this process has {len(devices)}")
     mesh = q.make_mesh(devices=devices[:n_devices])
-    model = GPT(GPTConfig.from_preset(model_name))
+    model = GPT(GPTConfig.from_preset(model_name, embed_lookup=embed_lookup(scheme)))
     t0 = time.perf_counter()
     batch = {
         k: jax.ShapeDtypeStruct((batch_per_device * n_devices, model.cfg.seq_len), jnp.int32)
@@ -185,7 +187,8 @@ def table(rows: list[dict]) -> str:
         "B/param: state bytes per parameter over all devices (adam: 4 weight + 8 moments); "
         "+codes: QSDP's weights held as their codes (weight_storage='codes'); "
         "+mu-bf16: adam's first moment in bfloat16; +moments-bf16: both moments in bfloat16, "
-        "rounded stochastically (qsdp_jax.optim.compact_moments).",
+        "rounded stochastically (qsdp_jax.optim.compact_moments); +take: embeddings read as rows "
+        "(GPTConfig(embed_lookup='take'), ParamAccess.take), the tied table gathered for the logits alone.",
     ]
     return "\n".join(lines)
 

@@ -18,8 +18,9 @@ A ``Block``'s pure dict is::
      "ln2": {"scale": [D], "bias": [D]},
      "mlp": {"fc": {"kernel": [D, F], "bias": [F]}, "proj": {"kernel": [F, D], "bias": [D]}}}
 
-The loss function receives a :class:`qsdp_jax.access.ParamAccess`: it gathers ``"embed"``,
-scans over ``"blocks"`` one layer at a time (``p.scan``), and gathers ``"head"`` at the end.
+The loss function receives a :class:`qsdp_jax.access.ParamAccess`: it gathers ``"embed"``
+(or reads its rows with ``p.take``: ``GPTConfig.embed_lookup``), scans over ``"blocks"`` one
+layer at a time (``p.scan``), and gathers ``"head"`` at the end.
 NNX modules are rebuilt from the pure dicts on every call (``nnx.merge`` of a cached
 ``GraphDef`` with the pure dict), so no module object outlives a trace.
 
@@ -52,6 +53,7 @@ HEAD = "head"
 GROUPS = (EMBED, BLOCKS, HEAD)
 STACKED_GROUPS = (BLOCKS,)
 
+LOOKUPS = ("gather", "take")
 LN_EPS = 1e-5
 INIT_STD = 0.02
 
@@ -68,6 +70,15 @@ class GPTConfig:
     ``d_ff`` defaults to ``4 * d_model``. ``dtype`` is the compute dtype of the matmuls and
     norms (the loss is always computed in float32); ``param_dtype`` is the dtype the
     parameters are created in. Both are dtype names (``"float32"``, ``"bfloat16"``, ...).
+
+    ``embed_lookup`` is how the token and position embeddings are read: ``"gather"`` (the
+    default) from the gathered ``"embed"`` group, which a tied model gathers once for both
+    ends (its two gradients summed and reduce-scattered together); ``"take"`` as rows
+    (``ParamAccess.take``), so the sharded step never holds a whole table for the lookup and a
+    tied table is gathered for the output projection alone. ``"take"`` moves each device's
+    ``devices * tokens * d_model`` float32 rows forward and their gradient back: fewer bytes and
+    far less memory than the table when the vocabulary is large (the GPT-2 shapes), more bytes
+    than a small table (the byte-level presets).
     """
 
     seq_len: int
@@ -79,6 +90,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     dtype: str = "float32"
     param_dtype: str = "float32"
+    embed_lookup: str = "gather"
 
     def __post_init__(self):
         if self.d_ff is None:
@@ -98,6 +110,8 @@ class GPTConfig:
         if not isinstance(self.tie_embeddings, (bool, np.bool_)):
             raise ValueError(f"GPTConfig.tie_embeddings={self.tie_embeddings!r}: must be a bool")
         object.__setattr__(self, "tie_embeddings", bool(self.tie_embeddings))
+        if self.embed_lookup not in LOOKUPS:
+            raise ValueError(f"GPTConfig.embed_lookup={self.embed_lookup!r}: must be one of {LOOKUPS}")
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             try:
@@ -387,7 +401,13 @@ class GPT:
     # ---- forward ------------------------------------------------------------------------
 
     def embed(self, p: ParamAccess, inputs_BxL: jax.Array, embedding: Embedding | None = None) -> jax.Array:
+        """Token + position embeddings of ``inputs`` ``[B, L]``: rows (``p.take``) with
+        ``embed_lookup="take"``, else from ``embedding`` (gathered here if not given)."""
         _check_inputs(self.cfg, inputs_BxL, "inputs")
+        if self.cfg.embed_lookup == "take":
+            L, dtype = inputs_BxL.shape[-1], self.cfg.compute_dtype
+            tok_BxLxD = p.take(f"{EMBED}/tok/embedding", inputs_BxL).astype(dtype)
+            return tok_BxLxD + p.take(f"{EMBED}/pos/embedding", jnp.arange(L)).astype(dtype)[None]
         if embedding is None:
             embedding = self.embedding(p.gather(EMBED))
         return embedding(inputs_BxL)
@@ -417,13 +437,17 @@ class GPT:
     def logits(self, p: ParamAccess, inputs_BxL: jax.Array, *, remat: bool = True) -> jax.Array:
         """float32 logits ``[B, L, vocab]`` for int ``inputs`` ``[B, L]`` (L <= seq_len).
 
-        A tied embedding is gathered once and used at both ends, so its gradient is summed
-        locally and reduce-scattered once: gathering it again for the output projection
-        would double its all-gather and reduce-scatter bytes (and quantize its gradient twice).
-        The price is the full embedding held through the trunk (vocab x d_model floats).
+        With ``embed_lookup="gather"`` a tied embedding is gathered once and used at both ends,
+        so its gradient is summed locally and reduce-scattered once; the price is the full table
+        held through the trunk and its full gradient through the backward pass. With ``"take"``
+        the lookup reads rows and the table is gathered at the output projection alone, its
+        gradient reduce-scattered as soon as the backward pass has it; the lookup's gradient
+        goes to each device's block (GPT-1.3B on 8 devices: 199-300 MB less peak per device,
+        ``docs/results/memory.md``).
         """
         p = _as_access(p)
-        embedding = self.embedding(p.gather(EMBED)) if self.cfg.tie_embeddings else None
+        held = self.cfg.tie_embeddings and self.cfg.embed_lookup == "gather"
+        embedding = self.embedding(p.gather(EMBED)) if held else None
         x_BxLxD = self.embed(p, inputs_BxL, embedding)
         x_BxLxD = self.trunk(p, x_BxLxD, remat=remat)
         return self.unembed(p, x_BxLxD, embedding)

@@ -2,14 +2,16 @@
 
 ``+codes`` holds QSDP's on-grid weights as their codes (``QSDPConfig(weight_storage="codes")``),
 ``+mu-bf16`` keeps adam's first moment in bfloat16 (``optax.adam(mu_dtype=jnp.bfloat16)``),
-``+moments-bf16`` both moments, rounded stochastically (``qsdp_jax.optim.compact_moments``).
+``+moments-bf16`` both moments, rounded stochastically (``qsdp_jax.optim.compact_moments``),
+``+take`` reads the GPT's embeddings as rows (``GPTConfig(embed_lookup="take")``:
+``ParamAccess.take``) instead of from the gathered table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-OPTIONS = ("codes", "mu-bf16", "moments-bf16")
+OPTIONS = ("codes", "mu-bf16", "moments-bf16", "take")
 
 
 def split_scheme(scheme: str) -> tuple[str, frozenset[str]]:
@@ -36,6 +38,11 @@ def scheme_config(scheme: str):
     name, options = split_scheme(scheme)
     config = q.QSDPConfig.from_name(name)
     return dataclasses.replace(config, weight_storage="codes") if "codes" in options else config
+
+
+def embed_lookup(scheme: str) -> str:
+    """The scheme's ``GPTConfig.embed_lookup``: ``"take"`` with ``+take``, else ``"gather"``."""
+    return "take" if "take" in split_scheme(scheme)[1] else "gather"
 
 
 def base_optimizer(scheme: str, learning_rate: float):

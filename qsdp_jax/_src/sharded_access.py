@@ -30,7 +30,10 @@ from jax import lax
 from qsdp_jax._src import packing
 from qsdp_jax._src import quantizers as qz
 from qsdp_jax._src.layer_scan import remat_scan
+from qsdp_jax._src.payload import dequantize_parts
 from qsdp_jax._src.regather import regathered, tie
+from qsdp_jax._src.sharded_take import Split, take_rows
+from qsdp_jax.access import check_take
 from qsdp_jax.collectives import make_coded_gather, make_gather_pieces, payload_from_packed
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.hierarchy import gather_spec
@@ -167,6 +170,37 @@ class ShardedParams:
         if grids is not None:  # a non-stacked leaf's grid is one row
             grids = tuple([None if x is None else x.reshape(-1) for x in side] for side in grids)
         return self._full_leaves(g, list(blocks), grids, 0, self._codes_of[group])
+
+    def take(self, path: str, ids: jax.Array) -> jax.Array:
+        """``jnp.take(leaf, ids, axis=0)`` of the leaf at ``path``, read from this device's
+        block of it (:func:`qsdp_jax._src.sharded_take.take_rows`); a replicated leaf is read
+        whole."""
+        group = path.split("/")[0]
+        g = self._unstacked(group, "take")
+        by_path = {x.path: x for x in g.leaves}
+        if path not in by_path:
+            raise KeyError(f"no leaf {path!r} in group {group!r}; its leaves are {list(by_path)}")
+        x = by_path[path]
+        block = self.blocks(group)[x.index]
+        check_take(path, len(x.shape), ids)
+        if x.dim is None:
+            return jnp.take(block, ids, axis=0)
+        config = self._config
+        split = Split(block.shape, str(block.dtype), x.dim, x.shape[0], config.shard_axes, config.replica_axis)
+        return take_rows(block, self._block_values(g, x, block), ids, split)
+
+    def _block_values(self, g: GroupLayout, x, block: jax.Array) -> jax.Array:
+        """This device's weights of leaf ``x``: ``block``, or its codes decoded."""
+        codes = self._codes_of[g.name]
+        if codes is None or codes[x.index] is None:
+            return block
+        buffer = next(b for b in g.buffers if any(s.index == x.index for s in b.slots))
+        scales, offsets = self._group_grids(g)
+        n = x.buckets * self._layout.bucket
+        bits = buffer.resolved_bits(self._config)[0]
+        packed, bucket = codes[x.index].reshape(-1), self._layout.bucket
+        values = dequantize_parts(packed, scales[x.index].reshape(-1), offsets[x.index].reshape(-1), n, bits, bucket)
+        return values.reshape(-1)[: block.size].reshape(block.shape)
 
     def scan(self, group, body, init, xs=None, *, remat=True):
         g = self._layout.group(group)
