@@ -34,6 +34,8 @@ are gathered one layer at a time where the forward scans them with :func:`scan` 
 through its ``__call__`` (a block of an ``nnx.List`` in a Python loop) is gathered for the call
 and gathered again in the backward pass (``reshard_after_forward``, PyTorch FSDP2's; the rules
 in ``qsdp_jax._src.nnx_reshard``), so a list of blocks holds about one block's weights too.
+With ``take_embeddings=True`` an ``nnx.Embed`` lookup reads its rows from the devices' blocks
+(``ParamAccess.take``) instead of gathering its table.
 
 RNG streams: every ``nnx.RngKey`` is folded with the step and the device index inside the step,
 so a dropout mask is a pure function of (seed, step, device, the call's position) and a resumed
@@ -148,6 +150,7 @@ def make_train_step(
     stacked: Sequence[str] | None = None,
     mode: str | None = "train",
     reshard_after_forward: bool = True,
+    take_embeddings: bool = False,
 ) -> TrainStep:
     """The sharded train step of ``loss_fn(model, batch)`` (see the module docstring).
 
@@ -179,6 +182,12 @@ def make_train_step(
         forward pass stays gathered until its gradient is taken (fewer collectives, more
         memory). Stacks read with :func:`scan` are gathered per layer either way. The same
         arithmetic either way (the same values up to XLA's fusion choices).
+      take_embeddings: False (the default): an ``nnx.Embed`` lookup reads the table, which
+        gathers its group. True: it reads the looked-up rows from the devices' blocks
+        (``ParamAccess.take``; ``qsdp_jax._src.nnx_take``), so no device holds the whole table for
+        the lookup and a tied table is gathered for its ``attend`` alone. The rows travel in
+        float32, each device's rows to every device: worth it for a large vocabulary on few
+        devices (GPT-2's at 8 devices), not for a small one.
 
     Returns:
       The :class:`TrainStep`; metrics as ``qsdp_jax.make_train_step``.
@@ -201,6 +210,7 @@ def make_train_step(
         stacked=stacked,
         mode=mode,
         reshard_after_forward=reshard_after_forward,
+        take_embeddings=take_embeddings,
     )
 
 
@@ -212,6 +222,7 @@ def make_eval_step(
     *,
     stacked: Sequence[str] | None = None,
     mode: str | None = "eval",
+    take_embeddings: bool = False,
 ) -> TrainStep:
     """A jitted ``eval(state, batch) -> mean loss`` with the training gathers; the model state
     is read, not updated.
@@ -227,6 +238,7 @@ def make_eval_step(
       config: the run's config.
       stacked: as for :func:`init_state`.
       mode: ``"eval"`` (the default), ``"train"`` or ``None`` (as for :func:`make_train_step`).
+      take_embeddings: as for :func:`make_train_step`.
 
     Returns:
       A :class:`TrainStep` computing ``eval(state, batch) -> mean loss`` (global mean, a
@@ -248,4 +260,5 @@ def make_eval_step(
         stacked=stacked,
         mode=mode,
         evaluate=True,
+        take_embeddings=take_embeddings,
     )

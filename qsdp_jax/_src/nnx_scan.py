@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from qsdp_jax._src import nnx_take
 from qsdp_jax._src.nnx_active import _ACTIVE, current, non_params, params_untouched
 from qsdp_jax._src.nnx_reshard import can_reshard, resharding_class
 from qsdp_jax._src.nnx_tree import Group, ModelDef, path_str, submodule
@@ -64,7 +65,14 @@ class StepContext:
     """What the module and :func:`scan` see while the sharded loss is traced."""
 
     def __init__(
-        self, access, mdef: ModelDef, axis: str | tuple[str, ...], record: dict, reshard=False, held=frozenset()
+        self,
+        access,
+        mdef: ModelDef,
+        axis: str | tuple[str, ...],
+        record: dict,
+        reshard=False,
+        held=frozenset(),
+        take=False,
     ):
         self.access = access  # qsdp_jax.train.ShardedParams
         self.mdef = mdef
@@ -72,6 +80,8 @@ class StepContext:
         self.record = record  # group name -> "whole" / "per layer" / "per call", for the summary
         self.reshard = reshard  # groups called as modules are gathered per call (nnx_reshard)
         self.held = held  # groups not resharded (read outside their call too)
+        self.take = take  # nnx.Embed lookups read rows (nnx_take)
+        self.taken: dict[int, tuple[str, str]] = {}  # id(embed) -> (group, leaf path)
         self.stacks: dict[int, Group] = {}
         self.resharded: dict[int, Group] = {}
         self.base_trace = None  # the loss's own trace level
@@ -121,14 +131,22 @@ class StepContext:
         module = nnx.merge(self.mdef.graphdef, nnx.from_flat_state(params), nnx.from_flat_state(others))
         sync_batch_norm(module, self.axis)
         self.base_trace = _current_trace()
+        if self.take:
+            self.taken = nnx_take.install(module, self.mdef)
         for g in self.mdef.groups:
             node = submodule(module, g.path)
             if g.stacked:
                 self.stacks[id(node)] = g
+            elif self.take and nnx_take.only_tables(g.name, self.mdef, self.taken):
+                continue  # its calls read rows: nothing to gather for them
             elif self.reshard and g.name not in self.held and can_reshard(node, g, self.mdef):
                 object.__setattr__(node, "__class__", resharding_class(type(node)))
                 self.resharded[id(node)] = g
         return module
+
+    def at_base_level(self) -> bool:
+        """Tracing at the loss's own level (not inside a transform or a resharded call)."""
+        return _current_trace() == self.base_trace
 
     def reshard_group(self, module) -> Group | None:
         """The group a call of ``module`` reshards: a resharded group's module called at the

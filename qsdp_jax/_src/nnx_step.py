@@ -55,6 +55,7 @@ class TrainStep:
       mode: ``"train"``, ``"eval"`` or None (see :func:`make_train_step`).
       evaluate: an eval step (:func:`make_eval_step`) instead of a train step.
       reshard_after_forward: see :func:`make_train_step`.
+      take_embeddings: see :func:`make_train_step`.
 
     Raises:
       TypeError: ``config`` is not a ``QSDPConfig``, ``loss_fn`` not callable, ``model`` not an
@@ -78,6 +79,7 @@ class TrainStep:
         mode,
         evaluate=False,
         reshard_after_forward=True,
+        take_embeddings=False,
     ):
         check_config(config)
         if not callable(loss_fn):
@@ -92,6 +94,7 @@ class TrainStep:
         self.has_aux, self.aux_out_spec, self.evaluate = has_aux, aux_out_spec, evaluate
         # reshard only where it can apply: a train step with a group called as a module
         self.reshard = reshard_after_forward and not evaluate and can_reshard_any(graph, self.mdef)
+        self.take_embeddings = take_embeddings
         self.record: dict[str, str] = {}
         self._jitted = jax.jit(self._step, donate_argnums=(0,) if donate and not evaluate else ())
 
@@ -152,7 +155,7 @@ class TrainStep:
 
     def _traced_loss(self, access, batch, extra, record: dict, held):
         """The loss on the module built for this trace; ``held``: groups not resharded."""
-        ctx = StepContext(access, self.mdef, self.config.batch_axes, record, self.reshard, held)
+        ctx = StepContext(access, self.mdef, self.config.batch_axes, record, self.reshard, held, self.take_embeddings)
         with ctx.active(), stand_in(self.model):
             module = ctx.build(extra["state"], extra["step"])
             out = self.loss_fn(module, batch)

@@ -1,7 +1,7 @@
 """What an NNX train step gathers, told to the user: the warning for a layer stack gathered whole,
 and the table of ``TrainStep.summary(state, batch)``.
 
-Both read the step's ``record`` (``{group name: "whole" | "per layer" | "per call"}``), which the loss fills
+Both read the step's ``record`` (``{group name: "whole" | "per layer" | "per call" | "rows"}``), which the loss fills
 while it is traced (:mod:`qsdp_jax._src.nnx_scan`); a group the loss never read is ``"not read"``.
 """
 
@@ -35,7 +35,7 @@ def summary_table(layout, record: dict[str, str], config) -> str:
     held_to_backward, per_call = 0, []
     for g in layout.groups:
         how = record.get(g.name, "not read")
-        per_layer = 4 * g.held_size  # the fp32 gather buffers of one layer
+        per_layer = 0 if how == "rows" else 4 * g.held_size  # the fp32 gather buffers of one layer
         held = per_layer * (g.n_layers if (g.stacked and how == "whole") else 1)
         note = ""
         if g.stacked and how == "whole":
@@ -43,6 +43,8 @@ def summary_table(layout, record: dict[str, str], config) -> str:
         if how == "per call":
             note = "gathered for its call and again in the backward pass"
             per_call.append(held)
+        elif how == "rows":
+            note = "never gathered: its lookups read rows (take_embeddings)"
         elif how != "not read":
             held_to_backward += held
         rows.append(f"{g.name:<16}{g.n_layers:>7}  {how:<11}{_mib(held):>14}  {note}")
