@@ -75,3 +75,15 @@ def test_schemes_with_one_name_are_refused_before_compiling():
     cfgs = [q.QSDPConfig.qsdp(4, 4, bucket_size=b) for b in (128, 256)]
     with pytest.raises(ValueError, match=r"\['qsdp-sr-W4G4'\] are named twice"):
         wire_bytes.measure("tiny", cfgs, n_devices=8)
+
+
+def test_take_suffix_reads_the_embeddings_as_rows():
+    """``+take``: the GPT with ``embed_lookup="take"``; at the tiny preset its tables are smaller
+    than the devices' ids, so they are gathered alone, unquantized (bytes outside the formula)."""
+    assert wire_bytes.split_lookup("qsdp-W8G8+take") == ("qsdp-W8G8", "take")
+    assert wire_bytes.scheme_config("qsdp-W8G8+take").name == "qsdp-W8G8"
+    with pytest.raises(ValueError, match=r"unknown suffix 'codes'"):
+        wire_bytes.split_lookup("qsdp-W8G8+codes")
+    r = wire_bytes.measure("tiny", ["qsdp-W8G8", "qsdp-W8G8+take"], n_devices=8, batch_size=8)["schemes"]
+    assert "all-gather/f32" in r["qsdp-W8G8+take"]["by_kind_dtype"]
+    assert "all-gather/f32" not in r["qsdp-W8G8"]["by_kind_dtype"]

@@ -22,7 +22,9 @@ Per step the GPT step does (see :func:`gpt_collective_counts`):
 * ``head``: one gather and one reduce-scatter if it has sharded leaves (untied output layer).
 
 The small replicated leaves (biases, norm scales) are averaged with an all-reduce that the
-formula leaves out.
+formula leaves out. A scheme name ending in ``+take`` (``qsdp-W8G8+take``) builds the GPT with
+``embed_lookup="take"``: its embedding rows travel in float32 outside the formula (the tied
+table is still gathered once and reduce-scattered once, for the logits).
 
 Imports no jax at the top: :func:`measure` needs jax with enough devices, so the caller sets
 the device count (``experiments.gpt.devices.simulate_cpu_devices``) first.
@@ -48,11 +50,25 @@ GATHER_SCATTER_KINDS = ("all-gather", "all-to-all", "reduce-scatter")
 # ----------------------------------------------------------------------------------------------
 
 
+def split_lookup(name: str) -> tuple[str, str]:
+    """``"qsdp-W8G8+take"`` -> ``("qsdp-W8G8", "take")``; a name without ``+take`` ->
+    ``(name, "gather")`` (the GPT's ``embed_lookup``).
+
+    Raises:
+      ValueError: a suffix other than ``+take``.
+    """
+    base, plus, rest = name.partition("+")
+    if plus and rest != "take":
+        raise ValueError(f"scheme {name!r}: unknown suffix {rest!r}; the only one is 'take'")
+    return base, "take" if plus else "gather"
+
+
 def scheme_config(name: str, bucket: int = 1024):
-    """The QSDPConfig of a scheme name (``fp32``, ``bf16``, ``qsdp-W8G8``, ``W2G4``...)."""
+    """The QSDPConfig of a scheme name (``fp32``, ``bf16``, ``qsdp-W8G8``, ``W2G4``..., with
+    ``+take`` or not)."""
     from qsdp_jax.config import QSDPConfig
 
-    return QSDPConfig.from_name(name, bucket_size=bucket)
+    return QSDPConfig.from_name(split_lookup(name)[0], bucket_size=bucket)
 
 
 def wire_bytes_per_element(bits: int | None, fp_dtype: str, bucket: int, stats_dtype: str = "float32") -> float:
@@ -159,6 +175,8 @@ def measure(
     }
     for name, scheme in zip(names, schemes):
         cfg = scheme if isinstance(scheme, q.QSDPConfig) else scheme_config(scheme, bucket)
+        lookup = split_lookup(scheme)[1] if isinstance(scheme, str) else "gather"
+        model = GPT(dataclasses.replace(model.cfg, embed_lookup=lookup))
         t0 = time.perf_counter()
         opt = optim.qsdp(optax.adam(1e-3), cfg)
         state = q.abstract_train_state(params, opt, mesh, cfg, stacked=model.stacked_groups)

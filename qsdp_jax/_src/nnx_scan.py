@@ -77,7 +77,7 @@ class StepContext:
         self.access = access  # qsdp_jax.train.ShardedParams
         self.mdef = mdef
         self.axis = axis
-        self.record = record  # group name -> "whole" / "per layer" / "per call", for the summary
+        self.record = record  # group name -> "whole" / "per layer" / "per call" / "rows", for the summary
         self.reshard = reshard  # groups called as modules are gathered per call (nnx_reshard)
         self.held = held  # groups not resharded (read outside their call too)
         self.take = take  # nnx.Embed lookups read rows (nnx_take)
