@@ -88,17 +88,26 @@ class _Tok(nnx.Module):
         return self.proj(self.embed(ids))
 
 
+class _Scaled(nnx.Embed):
+    """A subclass with a ``__call__`` of its own: left to read its table."""
+
+    def __call__(self, inputs, out_sharding=None):
+        return 2.0 * super().__call__(inputs, out_sharding=out_sharding)
+
+
 class _Model(nnx.Module):
     """``emb``: a group of one table (its lookups read rows); ``tok``: a table and a layer called
-    as a module (resharded: its lookup runs inside the call and reads the gathered table)."""
+    as a module (resharded: its lookup runs inside the call and reads the gathered table);
+    ``scaled``: an ``nnx.Embed`` subclass with its own ``__call__`` (not changed)."""
 
     def __init__(self, rngs):
         self.emb = nnx.Embed(64, 16, rngs=rngs)
         self.tok = _Tok(rngs)
+        self.scaled = _Scaled(64, 16, rngs=rngs)
         self.out = nnx.Linear(16, 4, rngs=rngs)
 
     def __call__(self, ids):
-        return self.out(jnp.tanh(self.emb(ids) + self.tok(ids))).mean(1)
+        return self.out(jnp.tanh(self.emb(ids) + self.tok(ids) + self.scaled(ids))).mean(1)
 
 
 def _toy_run(take, config):
@@ -112,7 +121,7 @@ def _toy_run(take, config):
     return float(metrics["loss"]), q.gather_params(state), step.summary(state, batch)
 
 
-def test_a_table_called_inside_a_resharded_group_reads_it_and_trains_the_same():
+def test_tables_called_inside_a_resharded_group_or_by_their_own_call_read_the_table():
     config = q.QSDPConfig.fp32(bucket_size=64, min_shard_size=128)
     taken, taken_params, summary = _toy_run(True, config)
     plain, plain_params, _ = _toy_run(False, config)
@@ -122,4 +131,4 @@ def test_a_table_called_inside_a_resharded_group_reads_it_and_trains_the_same():
     moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), taken_params, q.gather_params(init))
     assert min(jax.tree.leaves(moved)) > 0  # every table and layer got its gradient
     rows = {line.split()[0]: line for line in summary.splitlines()[1:-1]}
-    assert "rows" in rows["emb"] and "per call" in rows["tok"], summary
+    assert "rows" in rows["emb"] and "per call" in rows["tok"] and "per call" in rows["scaled"], summary

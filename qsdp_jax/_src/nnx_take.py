@@ -6,7 +6,9 @@ table, which would gather the table's whole group: no device holds the whole tab
 lookup, and its gradient reaches the devices' blocks exactly. Reading the table otherwise (a
 tied embedding's ``attend``) still gathers the group, for that use alone.
 
-A call runs plain (reading the table) when it is given ``out_sharding``, when the table has one
+Only ``nnx.Embed`` and its subclasses that keep its ``__call__`` are changed: a subclass with a
+``__call__`` of its own (which may do more than the lookup) reads its table as before. A call
+runs plain (reading the table) when it is given ``out_sharding``, when the table has one
 row, when the ids are not integers (``nnx.Embed``'s own error), and anywhere but at the loss's
 own trace level: inside an NNX transform (``nnx.remat``, ``nnx.vmap``: the transform reads the
 group's state, which gathers it) or inside a resharded call of a group holding other weights
@@ -27,12 +29,12 @@ _CLASSES: dict[type, type] = {}
 
 
 def install(module: nnx.Module, mdef: ModelDef) -> dict[int, tuple[str, str]]:
-    """Give every ``nnx.Embed`` in ``module`` whose table is a parameter of a non-stacked group
-    the taking ``__call__``; returns ``{id(embed): (group name, leaf path)}`` of them (the path
-    as ``ParamAccess.take`` reads it)."""
+    """Give every ``nnx.Embed`` in ``module`` (with ``nnx.Embed``'s own ``__call__``) whose table
+    is a parameter of a non-stacked group the taking ``__call__``; returns ``{id(embed): (group
+    name, leaf path)}`` of them (the path as ``ParamAccess.take`` reads it)."""
     out = {}
     for path, node in nnx.iter_graph(module):
-        if not isinstance(node, nnx.Embed):
+        if not isinstance(node, nnx.Embed) or type(node).__call__ is not nnx.Embed.__call__:
             continue
         where = (*path, "embedding")
         g = mdef.group_of(where)
