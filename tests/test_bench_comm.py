@@ -80,10 +80,11 @@ def test_schemes_with_one_name_are_refused_before_compiling():
 def test_take_suffix_reads_the_embeddings_as_rows():
     """``+take``: the GPT with ``embed_lookup="take"``; at the tiny preset its tables are smaller
     than the devices' ids, so they are gathered alone, unquantized (bytes outside the formula)."""
-    assert wire_bytes.split_lookup("qsdp-W8G8+take") == ("qsdp-W8G8", "take")
     assert wire_bytes.scheme_config("qsdp-W8G8+take").name == "qsdp-W8G8"
-    with pytest.raises(ValueError, match=r"unknown suffix 'codes'"):
-        wire_bytes.split_lookup("qsdp-W8G8+codes")
+    with pytest.raises(ValueError, match=r"do not depend on \['codes'\]; only \+take counts here"):
+        wire_bytes.scheme_config("qsdp-W8G8+codes")
+    with pytest.raises(ValueError, match=r"unknown suffix 'rows'"):
+        wire_bytes.scheme_config("qsdp-W8G8+rows")
     r = wire_bytes.measure("tiny", ["qsdp-W8G8", "qsdp-W8G8+take"], n_devices=8, batch_size=8)["schemes"]
     assert "all-gather/f32" in r["qsdp-W8G8+take"]["by_kind_dtype"]
     assert "all-gather/f32" not in r["qsdp-W8G8"]["by_kind_dtype"]

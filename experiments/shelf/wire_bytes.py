@@ -36,6 +36,8 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Sequence, cast
 
+from experiments.shelf.schemes import embed_lookup, split_scheme
+
 if TYPE_CHECKING:  # the steps qsdp_jax returns are typed Callable; they forward the jit's ``lower``
     from jax.stages import Wrapped
 
@@ -50,25 +52,22 @@ GATHER_SCATTER_KINDS = ("all-gather", "all-to-all", "reduce-scatter")
 # ----------------------------------------------------------------------------------------------
 
 
-def split_lookup(name: str) -> tuple[str, str]:
-    """``"qsdp-W8G8+take"`` -> ``("qsdp-W8G8", "take")``; a name without ``+take`` ->
-    ``(name, "gather")`` (the GPT's ``embed_lookup``).
-
-    Raises:
-      ValueError: a suffix other than ``+take``.
-    """
-    base, plus, rest = name.partition("+")
-    if plus and rest != "take":
-        raise ValueError(f"scheme {name!r}: unknown suffix {rest!r}; the only one is 'take'")
-    return base, "take" if plus else "gather"
-
-
 def scheme_config(name: str, bucket: int = 1024):
     """The QSDPConfig of a scheme name (``fp32``, ``bf16``, ``qsdp-W8G8``, ``W2G4``..., with
-    ``+take`` or not)."""
+    ``+take`` or not: :mod:`experiments.shelf.schemes`).
+
+    Raises:
+      ValueError: an unknown name, or a suffix other than ``+take`` (the others change the
+        state, not the bytes on the wire).
+    """
     from qsdp_jax.config import QSDPConfig
 
-    return QSDPConfig.from_name(split_lookup(name)[0], bucket_size=bucket)
+    base, options = split_scheme(name)
+    if options - {"take"}:
+        raise ValueError(
+            f"scheme {name!r}: the bytes do not depend on {sorted(options - {'take'})}; only +take counts here"
+        )
+    return QSDPConfig.from_name(base, bucket_size=bucket)
 
 
 def wire_bytes_per_element(bits: int | None, fp_dtype: str, bucket: int, stats_dtype: str = "float32") -> float:
@@ -175,7 +174,7 @@ def measure(
     }
     for name, scheme in zip(names, schemes):
         cfg = scheme if isinstance(scheme, q.QSDPConfig) else scheme_config(scheme, bucket)
-        lookup = split_lookup(scheme)[1] if isinstance(scheme, str) else "gather"
+        lookup = embed_lookup(scheme) if isinstance(scheme, str) else "gather"
         model = GPT(dataclasses.replace(model.cfg, embed_lookup=lookup))
         t0 = time.perf_counter()
         opt = optim.qsdp(optax.adam(1e-3), cfg)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qsdp_jax._src.nnx_active import current
-from qsdp_jax._src.nnx_tree import ModelDef
+from qsdp_jax._src.nnx_tree import Group, ModelDef
 
 _CLASSES: dict[type, type] = {}
 
@@ -40,7 +40,7 @@ def install(module: nnx.Module, mdef: ModelDef) -> dict[int, tuple[str, str]]:
         g = mdef.group_of(where)
         if g is None or g.stacked:
             continue
-        out[id(node)] = (g.name, "/".join([g.name, *map(str, where[len(g.path) :])]))
+        out[id(node)] = (g.name, _leaf_path(g, where))
         object.__setattr__(node, "__class__", taking_class(type(node)))
     return out
 
@@ -49,8 +49,13 @@ def only_tables(group_name: str, mdef: ModelDef, taken: dict[int, tuple[str, str
     """Every parameter of the group is a taken table: nothing of it is gathered for a call."""
     paths = {path for name, path in taken.values() if name == group_name}
     g = next(g for g in mdef.groups if g.name == group_name)
-    mine = ["/".join([g.name, *map(str, s.path[len(g.path) :])]) for s in mdef.params if mdef.group_of(s.path) is g]
+    mine = [_leaf_path(g, s.path) for s in mdef.params if mdef.group_of(s.path) is g]
     return bool(mine) and set(mine) <= paths
+
+
+def _leaf_path(g: Group, path: tuple) -> str:
+    """The ``ParamAccess`` path (``"group/key/..."``) of the variable at module ``path`` in ``g``."""
+    return "/".join([g.name, *map(str, path[len(g.path) :])])
 
 
 def taking_class(cls: type) -> type:
