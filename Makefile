@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: demo test lint docs venv clean bench convergence
+.PHONY: demo test lint docs venv clean bench convergence aot-tpu
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,13 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m experiments.bench.comm
 	$(PY) -m experiments.bench.overhead
+
+# The TPU compiler (libtpu) in the environment, then every Pallas kernel compiled by it for TPU
+# v4, v5e, v5p and v6e at every bit width (no TPU needed; results/tpu_kernels.json). With libtpu
+# installed, `make test` also runs tests/test_tpu_compile.py (CI does: .ci/run).
+aot-tpu: $(STAMP)
+	$(PY) -m pip install -q -e '.[aot-tpu]'
+	$(PY) -m experiments.bench.tpu_kernels
 
 convergence: $(STAMP)
 	$(PY) -m experiments.convergence

@@ -287,7 +287,7 @@ def make_train_step(
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, layout=layout)
         return (new_state, metrics, aux) if has_aux else (new_state, metrics)
 
-    return CheckedStep(jax.jit(step_fn, donate_argnums=(0,) if donate else ()))
+    return CheckedStep(jax.jit(step_fn, donate_argnums=(0,) if donate else ()), mesh)
 
 
 def _update(optimizer, config: QSDPConfig, mesh: Mesh, layout: ParamLayout, state: TrainState, grads):
@@ -357,7 +357,7 @@ def make_eval_step(
         body = sharded_body(local_loss(loss_fn, layout, config), mesh, config, layout, grid, batch, P())
         return body(state.step, state.params, batch)
 
-    return CheckedStep(jax.jit(eval_fn))
+    return CheckedStep(jax.jit(eval_fn), mesh)
 
 
 def gather_params(state: TrainState) -> dict[str, PyTree]:

@@ -43,17 +43,25 @@ def _ref_quantize(x, key, *, bits, bucket, rounding):
     return qz.pack_bits(qt.codes, bits), qt.scales, qt.offsets, qt.dequantize()
 
 
+def _bucket_for(target, bucket):
+    """The TPU form takes whole 128-lane rows: its buckets are the next multiple of 128."""
+    return -(-bucket // 128) * 128 if target == "tpu_interpret" else bucket
+
+
+@pytest.mark.parametrize("target", ["interpret", "tpu_interpret"])
 @pytest.mark.parametrize("bits", range(1, 9))
-def test_kernels_match_the_reference_bit_for_bit(bits):
+def test_kernels_match_the_reference_bit_for_bit(bits, target):
     """quantize+pack for the three roundings and unpack+dequantize: equal to the reference for
     every bit width, buckets 64..4096, a bucket count (3 x 5 = 15) that is not a multiple of
     the row block on GPU/TPU; unpack+dequantize+sum for one width of each packing family
     (whole codes per byte, bit planes, bytes). (Each interpret-mode kernel costs an XLA compile
-    of about a second here: the grid is chosen to keep the file near a minute and a half.)"""
+    of about a second here: the grid is chosen to keep the file near a minute and a half.)
+    ``"tpu_interpret"`` is the TPU's own layout (``kernels._tpu``) in interpret mode."""
+    T = target
     for r, rounding in enumerate(qz.ROUNDINGS):
         if rounding == "shift" and bits == 1:
             continue
-        bucket = BUCKETS[(bits + 2 * r) % len(BUCKETS)]
+        bucket = _bucket_for(T, BUCKETS[(bits + 2 * r) % len(BUCKETS)])
         x = _data((3, 5 * bucket), seed=10 * bits + r)
         key = qz.derive_key(7, bits, r)
         packed, scales, offsets, values = _ref_quantize(x, key, bits=bits, bucket=bucket, rounding=rounding)
@@ -66,8 +74,10 @@ def test_kernels_match_the_reference_bit_for_bit(bits):
         chex.assert_trees_all_equal(qk.unpack_dequantize_sum(packed, scales, offsets, bits, bucket, n, target=T), want)
 
 
+@pytest.mark.parametrize("target", ["interpret", "tpu_interpret"])
 @pytest.mark.parametrize("bits,rounding,bucket", [(2, "shift", 64), (5, "stochastic", 4096)])
-def test_projection_snap_and_grid_pack_match_the_reference(bits, rounding, bucket):
+def test_projection_snap_and_grid_pack_match_the_reference(bits, rounding, bucket, target):
+    T, bucket = target, _bucket_for(target, bucket)
     x = _data((2, 3 * bucket), seed=bits)
     key = qz.derive_key(1, bits)
     packed, scales, offsets, values = _ref_quantize(x, key, bits=bits, bucket=bucket, rounding=rounding)
@@ -201,7 +211,8 @@ def test_train_step_with_kernels_lowers_for(mesh, platform, marker, rounding):
         )
     codes = rounding == "stochastic"  # code-held 4-bit weights: their encode and decode too
     kw = dict(weight_bits=4, grad_bits=8, weight_storage="codes") if codes else dict(weight_bits=8, grad_bits=4)
-    cfg = q.QSDPConfig.qsdp(**kw, kernels="pallas", weight_rounding=rounding, **CFG)
+    # 128-element buckets: whole 128-lane rows, which the TPU kernels take (64 uses the reference there)
+    cfg = q.QSDPConfig.qsdp(**kw, kernels="pallas", weight_rounding=rounding, **{**CFG, "bucket_size": 128})
     opt = optim.qsdp(optax.adam(1e-2), cfg)
     state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
     step = q.make_train_step(toymodel.loss, opt, mesh, cfg)
@@ -279,7 +290,7 @@ def _on_device(target):
     for bits, rounding, bucket in [
         (8, "stochastic", 1024),
         (4, "shift", 256),
-        (3, "nearest", 64),
+        (3, "nearest", 64 if target == "triton" else 128),  # the TPU kernels need whole 128-lane rows
         (1, "stochastic", 4096),
     ]:
         x = jnp.asarray(rng.normal(size=(4, 5 * bucket)).astype(np.float32))

@@ -47,6 +47,12 @@ def _kernels(doc: dict) -> str:
     return table(doc)
 
 
+def _tpu_kernels(doc: dict) -> str:
+    from experiments.bench.tpu_kernels import table
+
+    return table(doc["rows"])
+
+
 def _network(doc: dict) -> str:
     from experiments.shelf.network_results import format_table
 
@@ -91,6 +97,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "overhead": ("overhead.json", _overhead),
     "kernels_cpu": ("kernels_cpu.json", _kernels),
     "kernels_h200": ("kernels_h200.json", _kernels),
+    "tpu_kernels": ("tpu_kernels.json", _tpu_kernels),
     "network": ("network.json", _network),
     "network_twolevel": ("network_twolevel.json", _twolevel),
     "speedup_model": ("speedup_model.json", _speedup),

@@ -4,7 +4,7 @@
   clear errors (they used to fail deep inside JAX, or train on NaN);
 * :func:`warn_padding`: a bucket far larger than the leaves multiplies the memory silently;
 * :class:`CheckedStep`: calling a step with a state donated to an earlier call is a Python error
-  (it could segfault);
+  (it could segfault); a Pallas kernel that the compiler refuses is named, with the way out;
 * :func:`check_mesh`: a state placed on another mesh than the step's is a clear error;
 * :func:`check_batch`: an empty batch, a scalar leaf or a batch that does not split over the
   devices is a clear error.
@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from qsdp_jax.config import QSDPConfig
+from qsdp_jax.kernels.compile_errors import kernel_failures_explained
 from qsdp_jax.layout import ParamLayout
 
 DICT_INT_HINT = "keep integer or boolean constants out of the params dict, e.g. in the loss's closure"
@@ -85,14 +86,17 @@ def check_not_donated(state, label: Callable = _state_label) -> None:
 
 
 class CheckedStep:
-    """A jitted step that first checks its state was not donated; forwards ``lower`` etc."""
+    """A jitted step that first checks its state was not donated, and says which kernel a
+    compiler refused (``kernels.compile_errors``); forwards ``lower`` etc."""
 
-    def __init__(self, jitted):
+    def __init__(self, jitted, mesh: Mesh):
         self._jitted = jitted
+        self._device_kind = mesh.devices.flat[0].device_kind
 
     def __call__(self, state, *args, **kwargs):
         check_not_donated(state)
-        return self._jitted(state, *args, **kwargs)
+        with kernel_failures_explained(self._device_kind):
+            return self._jitted(state, *args, **kwargs)
 
     # Explicit, not only forwarded: from jax 0.11 ``jax.export`` accepts only a
     # ``stages.Wrapped``, a protocol checked by these methods' presence on the class.

@@ -22,6 +22,7 @@ from qsdp_jax._src.nnx_scan import StepContext
 from qsdp_jax._src.nnx_summary import summary_table, warn_whole
 from qsdp_jax._src.nnx_tree import ModelDef, describe, in_mode, mode_differences
 from qsdp_jax.config import check_config
+from qsdp_jax.kernels.compile_errors import kernel_failures_explained
 
 PyTree = Any
 
@@ -102,7 +103,8 @@ class TrainStep:
         if isinstance(state, train.TrainState):
             guards.check_not_donated(state, state_label)
             guards.check_mesh(state, self.mesh, state_label)
-        return self._jitted(state, batch)
+        with kernel_failures_explained(self.mesh.devices.flat[0].device_kind):
+            return self._jitted(state, batch)
 
     def trace(self, state, batch):
         """Trace the jitted step for ``state`` and ``batch`` (no state checks, nothing runs):

@@ -5,12 +5,14 @@ See :mod:`qsdp_jax.kernels.dispatch` for when a kernel runs, :mod:`.quantize` an
 :mod:`qsdp_jax._src.quantizers`).
 """
 
+from qsdp_jax.kernels.compile_errors import KernelCompileError
 from qsdp_jax.kernels.dequantize import unpack_dequantize, unpack_dequantize_sum
 from qsdp_jax.kernels.dispatch import KERNEL_MODES, check_mode, select
 from qsdp_jax.kernels.quantize import grid_pack, project, quantize_pack, snap
 
 __all__ = [
     "KERNEL_MODES",
+    "KernelCompileError",
     "check_mode",
     "grid_pack",
     "project",

@@ -21,16 +21,29 @@ from jax.experimental import pallas as pl
 
 from qsdp_jax._src import quantizers as qz
 
-TARGETS = ("interpret", "triton", "mosaic_tpu")
+TARGETS = ("interpret", "triton", "mosaic_tpu", "tpu_interpret")
+# The targets that use the TPU's lane-dense layout (``_tpu``): Mosaic itself, and the same
+# kernels in interpret mode (how tests on a CPU check their bits).
+TPU_LAYOUT = ("mosaic_tpu", "tpu_interpret")
 
 # Elements per kernel instance (one grid step): registers on GPU, VMEM on TPU, and as many as
 # possible in interpret mode, where each grid step costs about half a millisecond.
-_BLOCK_ELEMS = {"interpret": 1 << 21, "triton": 4096, "mosaic_tpu": 1 << 16}
+# The TPU layout: 256 KiB of float32, which with the double buffering, the scratch and the
+# temporaries stays far inside every generation's scoped VMEM (16 MiB on v4/v5e, 32 MiB on
+# v5p/v6e), in a multiple of 32 buckets (8-bit tiles are 32 sublanes).
+_BLOCK_ELEMS = {"interpret": 1 << 21, "triton": 4096, "mosaic_tpu": 1 << 16, "tpu_interpret": 1 << 16}
 
 
-def check_target(target: str):
+def check_target(target: str, bucket: int | None = None):
     if target not in TARGETS:
         raise ValueError(f"kernel target {target!r} is invalid: must be one of {TARGETS}")
+    if bucket is not None and target in TPU_LAYOUT and not tpu_ok(bucket):
+        raise ValueError(f"bucket={bucket} does not suit the TPU kernels ({target!r}): they need a multiple of 128")
+
+
+def tpu_ok(bucket: int) -> bool:
+    """The TPU layout needs whole 128-lane chunks: ``bucket % 128 == 0``."""
+    return bucket % 128 == 0
 
 
 def triton_ok(bucket: int) -> bool:
@@ -40,15 +53,13 @@ def triton_ok(bucket: int) -> bool:
 
 
 def row_block(rows: int, bucket: int, target: str) -> int:
-    """Buckets per grid step for ``target`` (power of 2 on Triton, multiple of 8 on TPU)."""
+    """Buckets per grid step for ``target`` (a power of 2 on Triton; the TPU layout has its own)."""
     rb = max(1, _BLOCK_ELEMS[target] // bucket)
+    if target in TPU_LAYOUT:
+        rb = max(32, rb // 32 * 32)
     if target == "triton":
         rb = 1 << (rb.bit_length() - 1)
         return min(rb, pl.next_power_of_2(rows))
-    if rb >= rows:
-        return rows  # one block over the full dimension: allowed everywhere
-    if target == "mosaic_tpu":
-        rb = max(8, rb - rb % 8)
     return min(rb, rows)
 
 
@@ -75,8 +86,9 @@ def scalar_spec() -> pl.BlockSpec:
     return pl.BlockSpec((1, 1), lambda i: (0, 0))
 
 
-def call(kernel, out_shape, in_specs, out_specs, *, rows: int, rb: int, target: str, name: str):
-    """``pl.pallas_call`` over a 1-D grid of row blocks, with ``target``'s compiler params.
+def call(kernel, out_shape, in_specs, out_specs, *, rows: int, rb: int, target: str, name: str, scratch=None):
+    """``pl.pallas_call`` over a 1-D grid of row blocks, with ``target``'s compiler params and,
+    given its shape, one float32 VMEM ``scratch`` buffer (the kernel's last argument; TPU only).
 
     Returns a function of the input arrays. The outputs vary over the same manual mesh axes as
     the first input, so the call also type-checks inside ``shard_map(check_vma=True)``.
@@ -93,11 +105,18 @@ def call(kernel, out_shape, in_specs, out_specs, *, rows: int, rb: int, target: 
             in_specs=in_specs,
             out_specs=out_specs,
             compiler_params=_compiler_params(target),
-            interpret=target == "interpret",
+            scratch_shapes=() if scratch is None else (_vmem(scratch),),
+            interpret=target in ("interpret", "tpu_interpret"),
             name=name,
         )(*args)
 
     return run
+
+
+def _vmem(shape):
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.VMEM(shape, jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,6 +187,15 @@ def to_u32(q):
 def to_f32(c):
     """uint32 codes in [0, 255] -> float32."""
     return lax.bitcast_convert_type(c, jnp.int32).astype(jnp.float32)
+
+
+def pairwise_sum(parts: list):
+    """``payload.sum_rows`` on a list: the same additions in the same order."""
+    while len(parts) > 1:
+        half = len(parts) // 2
+        summed = [parts[i] + parts[half + i] for i in range(half)]
+        parts = summed + parts[2 * half :]
+    return parts[0]
 
 
 def _or_all(xs):

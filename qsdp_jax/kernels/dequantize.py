@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from qsdp_jax._src import quantizers as qz
 from qsdp_jax.kernels import _pallas as kp
+from qsdp_jax.kernels import _tpu
 
 
 def _values(p_ref, s, off, bits, lead=()):
@@ -30,19 +31,10 @@ def _dequantize_kernel(p_ref, s_ref, o_ref, out_ref, *, bits):
         out_ref[:, :, k] = v
 
 
-def pairwise_sum(parts: list):
-    """``payload.sum_rows`` on a list: the same additions in the same order."""
-    while len(parts) > 1:
-        half = len(parts) // 2
-        summed = [parts[i] + parts[half + i] for i in range(half)]
-        parts = summed + parts[2 * half :]
-    return parts[0]
-
-
 def _sum_kernel(p_ref, s_ref, o_ref, out_ref, *, bits, num):
     chunks = [_values(p_ref, s_ref[c], o_ref[c], bits, lead=(c,)) for c in range(num)]
     for k in range(8):
-        out_ref[:, :, k] = pairwise_sum([chunk[k] for chunk in chunks])
+        out_ref[:, :, k] = kp.pairwise_sum([chunk[k] for chunk in chunks])
 
 
 def _shape_checks(packed, scales, n, bits, bucket):
@@ -68,7 +60,8 @@ def unpack_dequantize(packed, scales, offsets, bits, bucket, n, *, target):
       bucket: elements per (scale, offset) pair, a positive multiple of 8.
       n: the number of codes per row.
       target: the Pallas lowering, one of ``_pallas.TARGETS``: ``"interpret"``, ``"triton"``
-        (CUDA) or ``"mosaic_tpu"``.
+        (CUDA), ``"mosaic_tpu"`` or ``"tpu_interpret"`` (the TPU form in interpret mode; the TPU
+        forms need a bucket that is a multiple of 128).
 
     Returns:
       The values ``offset + code * scale``, float32 ``(..., n)``.
@@ -79,9 +72,12 @@ def unpack_dequantize(packed, scales, offsets, bits, bucket, n, *, target):
         other than ``n // bucket``; an unknown ``target``.
     """
     _shape_checks(packed, scales, n, bits, bucket)
-    kp.check_target(target)
+    kp.check_target(target, bucket)
     lead, g = packed.shape[:-1], bucket // 8
     rows = (n // bucket) * math.prod(lead)
+    if target in kp.TPU_LAYOUT:
+        p2, s2, o2 = packed.reshape(rows, -1), scales.reshape(rows, 1), offsets.reshape(rows, 1)
+        return _tpu.dequantize(p2, s2, o2, bits=bits, bucket=bucket, num=0, target=target).reshape(*lead, n)
     rb = kp.row_block(rows, bucket, target)
     out = kp.call(
         functools.partial(_dequantize_kernel, bits=bits),
@@ -111,7 +107,8 @@ def unpack_dequantize_sum(packed, scales, offsets, bits, bucket, n, *, target):
       bucket: elements per (scale, offset) pair, a positive multiple of 8.
       n: the number of codes per chunk.
       target: the Pallas lowering, one of ``_pallas.TARGETS``: ``"interpret"``, ``"triton"``
-        (CUDA) or ``"mosaic_tpu"``.
+        (CUDA), ``"mosaic_tpu"`` or ``"tpu_interpret"`` (the TPU form in interpret mode; the TPU
+        forms need a bucket that is a multiple of 128).
 
     Returns:
       The sum over the chunks, float32 ``(n,)``.
@@ -122,10 +119,13 @@ def unpack_dequantize_sum(packed, scales, offsets, bits, bucket, n, *, target):
         other than ``n // bucket``; an unknown ``target``; ``packed`` not 2-D.
     """
     _shape_checks(packed, scales, n, bits, bucket)
-    kp.check_target(target)
+    kp.check_target(target, bucket)
     if packed.ndim != 2:
         raise ValueError(f"packed chunks must be 2-D (N, bytes), got shape {packed.shape}")
     num, rows, g = packed.shape[0], n // bucket, bucket // 8
+    if target in kp.TPU_LAYOUT:
+        p3, s3, o3 = packed.reshape(num, rows, -1), scales.reshape(num, rows, 1), offsets.reshape(num, rows, 1)
+        return _tpu.dequantize(p3, s3, o3, bits=bits, bucket=bucket, num=num, target=target).reshape(n)
     rb = kp.row_block(rows, bucket * num, target)
     out = kp.call(
         functools.partial(_sum_kernel, bits=bits, num=num),

@@ -18,6 +18,12 @@ Modes (``QSDPConfig.kernels``):
 The GPU lowering is Triton, deliberately: it runs on A100 and H100 alike, while Mosaic GPU
 (JAX's default for ``pallas_call`` on CUDA) needs Hopper or newer. Buckets whose group count
 ``bucket // 8`` is not a power of 2 (Triton's tensor-size rule) use the reference on CUDA.
+
+The TPU lowering is Mosaic, with a layout of its own (:mod:`qsdp_jax.kernels._tpu`: lane-dense
+128-element rows, the bytes packed on the MXU), compiled by libtpu for v4, v5e, v5p and v6e at
+every bit width (``tests/test_tpu_compile.py``; the kernels' bits are checked against the
+reference in interpret mode, as ``"tpu_interpret"``). Buckets that are not a multiple of 128
+use the reference on TPU. Their speed on a TPU is unmeasured (no TPU has been lent to us).
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ def select(mode: str, reference: Callable, kernel: Callable, *args, bucket: int)
       kernel: the Pallas kernel, ``kernel(*args, target=target)``.
       *args: the arrays both take.
       bucket: the bucket size; on CUDA a bucket whose group count ``bucket // 8`` is not a
-        power of 2 uses the reference.
+        power of 2 uses the reference, on TPU a bucket that is not a multiple of 128.
 
     Returns:
       What the chosen callable returns.
@@ -78,7 +84,8 @@ def select(mode: str, reference: Callable, kernel: Callable, *args, bucket: int)
         return with_reference_vjp(reference, kernel, target)
 
     cuda = on("triton") if kp.triton_ok(bucket) else reference
-    return lax.platform_dependent(*args, cpu=reference, cuda=cuda, tpu=on("mosaic_tpu"), default=reference)
+    tpu = on("mosaic_tpu") if kp.tpu_ok(bucket) else reference
+    return lax.platform_dependent(*args, cpu=reference, cuda=cuda, tpu=tpu, default=reference)
 
 
 def with_reference_vjp(reference: Callable, kernel: Callable, target: str) -> Callable:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from qsdp_jax._src import quantizers as qz
 from qsdp_jax.kernels import _pallas as kp
+from qsdp_jax.kernels import _tpu
 
 _GOLDEN = 0x9E3779B9  # a Python int: a jnp constant here would start JAX's backends at import
 
@@ -71,23 +72,38 @@ def _kernel(*refs, bits, rounding, output, target):
 
 
 def _run(x, row_aux, scalar_aux, *, bits, bucket, rounding, output, target):
-    """Flatten ``x`` (..., n) to (rows, G, 8), run the kernel, restore the leading shape.
-    ``scalar_aux`` (a key) precedes ``row_aux`` (one value per bucket) in the kernel's inputs."""
+    """Flatten ``x`` (..., n) to one row per bucket, run ``target``'s form of the kernel, restore
+    the leading shape. ``scalar_aux`` (a key) precedes ``row_aux`` (one value per bucket) in the
+    kernel's inputs."""
     kp.check_bits_bucket(bits, bucket)
-    kp.check_target(target)
+    kp.check_target(target, bucket)
     if x.shape[-1] % bucket:
         raise ValueError(f"last axis of length {x.shape[-1]} is not a multiple of bucket={bucket}")
     lead, n = x.shape[:-1], x.shape[-1]
-    nb, g = n // bucket, bucket // 8
+    nb = n // bucket
     rows = nb
     for d in lead:
         rows *= d
+    scalars = [jnp.asarray(a).reshape(1, 1) for a in scalar_aux]
+    per_row = [jnp.broadcast_to(a, (*lead, nb)).reshape(rows, 1) for a in row_aux]
+    form = _tpu.quantize if target in kp.TPU_LAYOUT else _grouped
+    res = form(
+        x.astype(jnp.float32).reshape(rows, bucket), per_row, scalars,
+        bits=bits, bucket=bucket, rounding=rounding, output=output, target=target,
+    )  # fmt: skip
+    if rounding == "grid":
+        return res.reshape(*lead, -1)
+    return res[0].reshape(*lead, -1), res[1].reshape(*lead, nb), res[2].reshape(*lead, nb)
+
+
+def _grouped(x, per_row, scalars, *, bits, bucket, rounding, output, target):
+    """The Triton / interpret form over ``x`` ``(rows, bucket)``: ``(rows, bucket // 8, 8)``
+    groups (see ``_pallas``)."""
+    rows, g = x.shape[0], bucket // 8
     rb = kp.row_block(rows, bucket, target)
-    args = [x.astype(jnp.float32).reshape(rows, g, 8)]
-    args += [jnp.asarray(a).reshape(1, 1) for a in scalar_aux]
-    args += [jnp.broadcast_to(a, (*lead, nb)).reshape(rows, 1) for a in row_aux]
-    specs = [kp.rows_spec(rb, (g, 8))] + [kp.scalar_spec()] * len(scalar_aux)
-    specs += [kp.rows_spec(rb, (1,))] * len(row_aux)
+    args = [x.reshape(rows, g, 8), *scalars, *per_row]
+    specs = [kp.rows_spec(rb, (g, 8))] + [kp.scalar_spec()] * len(scalars)
+    specs += [kp.rows_spec(rb, (1,))] * len(per_row)
     width = 8 if output == "values" else bits
     dtype = jnp.float32 if output == "values" else jnp.uint8
     out_shape = [jax.ShapeDtypeStruct((rows, g, width), dtype)]
@@ -98,10 +114,7 @@ def _run(x, row_aux, scalar_aux, *, bits, bucket, rounding, output, target):
     kernel = functools.partial(_kernel, bits=bits, rounding=rounding, output=output, target=target)
     name = f"qsdp_{'project' if output == 'values' else 'quantize_pack'}_{rounding}_{bits}b"
     res = kp.call(kernel, tuple(out_shape), specs, tuple(out_specs), rows=rows, rb=rb, target=target, name=name)(*args)
-    main = res[0].reshape(*lead, -1)
-    if rounding == "grid":
-        return main
-    return main, res[1].reshape(*lead, nb), res[2].reshape(*lead, nb)
+    return res[0] if rounding == "grid" else res
 
 
 def _fresh_grid_aux(x, bits, bucket, rounding, key, bucket_ids):
@@ -137,7 +150,8 @@ def quantize_pack(x, bits, bucket, rounding, key=None, bucket_ids=None, *, targe
       bucket_ids: uint32 ``(..., n // bucket)`` global ids of the buckets, the counters of the
         randomness; None (the default): the row-major ids of ``x`` itself.
       target: the Pallas lowering, one of ``_pallas.TARGETS``: ``"interpret"``, ``"triton"``
-        (CUDA) or ``"mosaic_tpu"``.
+        (CUDA), ``"mosaic_tpu"`` or ``"tpu_interpret"`` (the TPU form in interpret mode; the TPU
+        forms need a bucket that is a multiple of 128).
 
     Returns:
       A tuple ``(packed, scales, offsets)`` of uint8 ``(..., packed_size(n, bits))`` and
@@ -165,7 +179,8 @@ def grid_pack(x, scales, offsets, bits, bucket, *, target):
       bits: bits per code, 1..8.
       bucket: elements per (scale, offset) pair, a positive multiple of 8.
       target: the Pallas lowering, one of ``_pallas.TARGETS``: ``"interpret"``, ``"triton"``
-        (CUDA) or ``"mosaic_tpu"``.
+        (CUDA), ``"mosaic_tpu"`` or ``"tpu_interpret"`` (the TPU form in interpret mode; the TPU
+        forms need a bucket that is a multiple of 128).
 
     Returns:
       The packed codes, uint8 ``(..., packed_size(n, bits))``.
@@ -190,7 +205,8 @@ def project(x, bits, bucket, rounding, key=None, bucket_ids=None, *, target):
       bucket_ids: uint32 ``(..., n // bucket)`` global ids of the buckets, the counters of the
         randomness; None (the default): the row-major ids of ``x`` itself.
       target: the Pallas lowering, one of ``_pallas.TARGETS``: ``"interpret"``, ``"triton"``
-        (CUDA) or ``"mosaic_tpu"``.
+        (CUDA), ``"mosaic_tpu"`` or ``"tpu_interpret"`` (the TPU form in interpret mode; the TPU
+        forms need a bucket that is a multiple of 128).
 
     Returns:
       A tuple ``(values, scales, offsets)`` of float32 ``(..., n)`` on the grid and float32
@@ -217,7 +233,8 @@ def snap(x, scales, offsets, bits, bucket, *, target):
       bits: bits per code, 1..8.
       bucket: elements per (scale, offset) pair, a positive multiple of 8.
       target: the Pallas lowering, one of ``_pallas.TARGETS``: ``"interpret"``, ``"triton"``
-        (CUDA) or ``"mosaic_tpu"``.
+        (CUDA), ``"mosaic_tpu"`` or ``"tpu_interpret"`` (the TPU form in interpret mode; the TPU
+        forms need a bucket that is a multiple of 128).
 
     Returns:
       The values on the grid, float32 ``(..., n)``.

@@ -1,0 +1,111 @@
+"""The TPU kernels and the train step compiled by the real TPU compiler (libtpu), ahead of time,
+on this CPU machine: ``jax.experimental.topologies`` gives compile-only devices of a named TPU
+topology. ``jax.export`` alone lowers a ``tpu_custom_call`` without running Mosaic's compiler,
+so it is no evidence that a kernel compiles; these tests compile. Skipped where libtpu is not
+installed (``pip install -e '.[aot-tpu]'``); in CI (``CI=true``) a missing libtpu fails instead,
+since ``.ci/run`` installs it.
+
+The full matrix (every kernel at bits 1..8 on v4, v5e, v5p and v6e, and buckets of 128..4096)
+is ``python -m experiments.bench.tpu_kernels``; here a slice of it keeps the suite short.
+"""
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import qsdp_jax as q
+import toymodel
+from qsdp_jax import kernels as qk
+from qsdp_jax import optim
+from qsdp_jax.kernels import _pallas as kp
+from qsdp_jax.kernels import compile_errors
+
+if os.environ.get("CI") == "true":
+    import libtpu  # noqa: F401  (CI installs it: a missing compiler must fail there, not skip)
+else:
+    pytest.importorskip("libtpu", reason="libtpu is not installed (pip install -e '.[aot-tpu]')")
+from experiments.bench import tpu_kernels  # noqa: E402  (after the skip: it needs libtpu)
+
+GENERATIONS = ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2")
+
+
+@pytest.mark.parametrize("topology", GENERATIONS)
+def test_every_kernel_compiles_for_each_tpu_generation(topology):
+    """Each of the 7 kernels at 1, 3, 4 and 8 bits (whole codes per byte, bit planes, bytes)
+    with 1024-element buckets (the default), and 5 bits with 128-element buckets: compiled by
+    Mosaic, not only exported."""
+    cases = tpu_kernels.cases(bits_list=(1, 3, 4, 8), buckets=(1024,)) + tpu_kernels.cases((5,), (128,))
+    rows = tpu_kernels.compile_cases(topology, cases)
+    failed = [r for r in rows if not r["ok"]]
+    assert not failed, failed
+    assert len(rows) == 7 * 5 - 1  # no 1-bit shift rounding
+
+
+def _toy_step(topology, kernels, weights, grads, bucket=128):
+    """The toy model's train step on a TPU topology, compiled ahead of time."""
+    devices = tpu_kernels.topology_devices(topology)
+    mesh = q.make_mesh(devices=devices)
+    if weights is None:
+        cfg = q.QSDPConfig.fp32(min_shard_size=128)
+    else:
+        cfg = q.QSDPConfig.qsdp(weights, grads, kernels=kernels, bucket_size=bucket, min_shard_size=128)
+    opt = optim.qsdp(optax.adam(1e-2), cfg)
+    state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), toymodel.batch(0, n=8 * len(devices)))
+    return q.make_train_step(toymodel.loss, opt, mesh, cfg).lower(state, batch).compile()
+
+
+@pytest.mark.parametrize("weights,grads", [(None, None), (8, 8)])
+def test_train_step_compiles_for_v5e_with_the_pallas_kernels(weights, grads):
+    """CI's smoke compile: the fp32 and the QSDP W8G8 step for a v5e:2x2 slice, with
+    ``kernels="pallas"``: the W8G8 program holds the Mosaic kernels (the encode of the weights,
+    the gradients' quantize+pack, the decode, the sum), fp32 none; both give a memory analysis."""
+    compiled = _toy_step("v5e:2x2", "pallas", weights, grads)
+    text = compiled.as_text()
+    calls = text.count('custom_call_target="tpu_custom_call"')
+    if weights is None:
+        assert calls == 0
+    else:
+        for name in ("qsdp_quantize_pack_grid_8b", "qsdp_quantize_pack_stochastic_8b", "qsdp_unpack_dequantize"):
+            assert name in text, name
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+def test_buckets_the_tpu_kernels_do_not_take_use_the_reference():
+    """A 64-element bucket is not whole 128-lane rows: the step compiles with the jnp reference
+    on the TPU instead of a kernel Mosaic would refuse (``kernels="pallas"``)."""
+    text = _toy_step("v5e:2x2", "pallas", 8, 8, bucket=64).as_text()
+    assert "tpu_custom_call" not in text
+
+
+def test_a_kernel_the_compiler_refuses_is_named_with_the_way_out(monkeypatch):
+    """A real refusal by libtpu (a row block far past VMEM) becomes a KernelCompileError naming
+    the kernel, the chip and ``kernels='reference'``, with XLA's error as its cause."""
+    monkeypatch.setitem(kp._BLOCK_ELEMS, "mosaic_tpu", 1 << 21)
+    devices = tpu_kernels.topology_devices("v5e:2x2")
+    kind = devices[0].device_kind
+    fn = functools.partial(qk.quantize_pack, bits=4, bucket=1024, rounding="stochastic", target="mosaic_tpu")
+    x = jax.ShapeDtypeStruct((1 << 21,), jnp.float32)
+    with pytest.raises(qk.KernelCompileError) as info:
+        with compile_errors.kernel_failures_explained(kind), tpu_kernels.on_device(devices[0]):
+            jitted = jax.jit(
+                lambda v: fn(v, key=jnp.uint32(3)), in_shardings=jax.sharding.SingleDeviceSharding(devices[0])
+            )
+            jitted.lower(x).compile()
+    text = str(info.value)
+    assert "qsdp_quantize_pack_stochastic_4b" in text and kind in text and "kernels='reference'" in text
+    assert "vmem" in str(info.value.__cause__)
+
+
+def test_other_errors_pass_unexplained():
+    """Only a kernel's failure is rewritten: other errors, and a word like Triton in an error
+    that names no kernel of ours, pass unchanged."""
+    assert compile_errors.explain(ValueError("shapes do not match"), "TPU v5 lite") is None
+    assert compile_errors.explain(RuntimeError("Triton is not installed"), "H100") is None
+    with pytest.raises(ZeroDivisionError):
+        with compile_errors.kernel_failures_explained("TPU v4"):
+            1 / 0
