@@ -470,3 +470,69 @@ def test_conditional_branches_counted_as_upper_bound():
     r = comm_report_from_hlo(hlo)
     assert _only(r).computation == "b0" and r.total_bytes == 112.0
     assert len(r.warnings) == 1 and "conditional %c" in r.warnings[0]
+
+
+def _tpu_style_loop(start: int, direction: str = "LT") -> str:
+    """A loop as XLA:TPU prints it: no known_trip_count, the condition ``i < 5``, the counter
+    entering as a copy of a constant."""
+    extra = f"""
+%body (bp: (s32[], f32[8])) -> (s32[], f32[8]) {{
+  %bp = (s32[], f32[8]{{0}}) parameter(0)
+  %v = f32[8]{{0}} get-tuple-element(%bp), index=1
+  %ag = f32[64]{{0:T(128)}} all-gather(%v), channel_id=1, replica_groups=[1,8]<=[8], dimensions={{0}}
+  %i = s32[] get-tuple-element(%bp), index=0
+  ROOT %t = (s32[], f32[8]{{0}}) tuple(%i, %v)
+}}
+
+%cond (cp: (s32[], f32[8])) -> pred[] {{
+  %n = s32[]{{:T(128)}} constant(5)
+  %cp = (s32[], f32[8]{{0}}) parameter(0)
+  %c = s32[]{{:T(128)}} get-tuple-element(%cp), index=0
+  ROOT %lt = pred[] compare(%c, %n), direction={direction}
+}}
+"""
+    return _module(
+        f"  %zero = s32[]{{:T(128)}} constant({start})\n"
+        "  %z = s32[]{:T(128)} copy(%zero)\n"
+        "  %x = f32[8]{0} parameter(0)\n"
+        "  %t0 = (s32[], f32[8]{0}) tuple(%z, %x)\n"
+        "  %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body\n"
+        "  ROOT %o = f32[8]{0} get-tuple-element(%w), index=1",
+        extra=extra,
+    )
+
+
+def test_trip_count_read_from_the_condition_where_xla_printed_none():
+    """XLA:TPU's compiled loops carry no known_trip_count: ``i < 5`` from a constant 0 runs the
+    body 5 times; a counter that starts elsewhere, or another comparison, stays unknown."""
+    r = comm_report_from_hlo(_tpu_style_loop(0))
+    assert (_only(r).count, _only(r).trip_count_known, r.warnings) == (5, True, ())
+    for hlo in (_tpu_style_loop(1), _tpu_style_loop(0, "LE")):
+        c = _only(comm_report_from_hlo(hlo))
+        assert (c.count, c.trip_count_known) == (1, False)
+
+
+def test_a_tpu_reduce_scatter_fusion_counts_as_a_reduce_scatter():
+    """XLA:TPU prints a reduce-scatter as a fusion calling %all-reduce-scatter*, an all-reduce
+    and a dynamic slice inside: (N-1)/N of the input on the wire, not an all-reduce's twice that."""
+    extra = """
+%all-reduce-scatter.3 (p: f32[64]) -> f32[8] {
+  %p = f32[64]{0} parameter(0)
+  %ar = f32[64]{0:T(128)} all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %pid = u32[] partition-id()
+  ROOT %ds = f32[8]{0} dynamic-slice(%ar, %pid), dynamic_slice_sizes={8}
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+"""
+    hlo = _module(
+        "  %x = f32[64]{0} parameter(0)\n"
+        "  ROOT %f = f32[8]{0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.3",
+        extra=extra,
+    )
+    c = _only(comm_report_from_hlo(hlo))
+    assert (c.kind, c.payload_bytes, c.bytes_on_wire) == ("reduce-scatter", 256, 224.0)

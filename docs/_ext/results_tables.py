@@ -53,6 +53,12 @@ def _tpu_kernels(doc: dict) -> str:
     return table(doc["rows"])
 
 
+def _aot(doc: dict) -> str:
+    from experiments.bench.aot import overlap_table, table
+
+    return table(doc["rows"]) + "\n\n" + overlap_table(doc["rows"])
+
+
 def _network(doc: dict) -> str:
     from experiments.shelf.network_results import format_table
 
@@ -98,6 +104,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "kernels_cpu": ("kernels_cpu.json", _kernels),
     "kernels_h200": ("kernels_h200.json", _kernels),
     "tpu_kernels": ("tpu_kernels.json", _tpu_kernels),
+    "aot": ("aot.json", _aot),
     "network": ("network.json", _network),
     "network_twolevel": ("network_twolevel.json", _twolevel),
     "speedup_model": ("speedup_model.json", _speedup),

@@ -97,6 +97,21 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
     ``QSDPConfig`` name) on ``n_devices`` devices and read its memory; returns one record
     (bytes per device)."""
     import jax
+
+    devices = jax.devices()
+    if n_devices > len(devices):
+        raise ValueError(f"{n_devices} devices asked, this process has {len(devices)}")
+    return compile_step(model_name, scheme, devices[:n_devices], batch_per_device)[1]
+
+
+def compile_step(model_name: str, scheme: str, devices: list, batch_per_device: int = 1, kernels: str | None = None):
+    """``(compiled, record, state)``: the train step of ``model_name`` / ``scheme`` compiled for
+    ``devices`` (this process's, or a real target's compile-only devices), its memory record and
+    the abstract state it was compiled for; ``kernels`` overrides the scheme's
+    ``QSDPConfig.kernels``."""
+    import dataclasses
+
+    import jax
     import jax.numpy as jnp
 
     import qsdp_jax as q
@@ -104,10 +119,8 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
     from experiments.shelf import gspmd_fsdp  # imports jax, likewise
     from qsdp_jax import optim
 
-    devices = jax.devices()
-    if n_devices > len(devices):
-        raise ValueError(f"{n_devices} devices asked, this process has {len(devices)}")
-    mesh = q.make_mesh(devices=devices[:n_devices])
+    n_devices = len(devices)
+    mesh = q.make_mesh(devices=devices)
     model = GPT(GPTConfig.from_preset(model_name, embed_lookup=embed_lookup(scheme)))
     t0 = time.perf_counter()
     batch = {
@@ -123,6 +136,7 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
         units = gspmd_units(model, state[0])
     else:
         cfg = scheme_config(scheme)
+        cfg = cfg if kernels is None else dataclasses.replace(cfg, kernels=kernels)
         opt = optim.qsdp(base, cfg)
         state = q.abstract_train_state(model.abstract_params(), opt, mesh, cfg, stacked=model.stacked_groups)
         compiled = cast("Wrapped", q.make_train_step(model.loss, opt, mesh, cfg)).lower(state, batch).compile()
@@ -130,7 +144,7 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
     m = compiled.memory_analysis()
     peak = peak_bytes(m)
     state_bytes = per_device_bytes(state)
-    return {
+    record = {
         "model": model_name,
         "scheme": scheme,
         "n_devices": n_devices,
@@ -148,6 +162,7 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
         "ideal_2_layers_bytes": state_bytes + sum(units[:2]),
         "compile_s": time.perf_counter() - t0,
     }
+    return compiled, record, state
 
 
 def table(rows: list[dict]) -> str:

@@ -172,6 +172,11 @@ GPT2_SHAPES: dict[str, GPTConfig] = {
     "gpt-125m": GPTConfig(seq_len=1024, d_model=768, n_layers=12, n_heads=12, vocab_size=50304),
     "gpt-350m": GPTConfig(seq_len=1024, d_model=1024, n_layers=24, n_heads=16, vocab_size=50304),
     "gpt-1.3b": GPTConfig(seq_len=1024, d_model=2048, n_layers=24, n_heads=32, vocab_size=50304),
+    # Llama-2-7B and -13B shapes (width, depth, heads, 32000-token vocabulary): a 4x MLP of two
+    # matrices holds as many weights as their 2.7x SwiGLU of three (6.5B and 12.7B here), for
+    # the compile-for-real-targets benchmark (experiments/bench/aot.py) on 64 chips.
+    "llama-7b-shape": GPTConfig(seq_len=1024, d_model=4096, n_layers=32, n_heads=32, vocab_size=32000),
+    "llama-13b-shape": GPTConfig(seq_len=1024, d_model=5120, n_layers=40, n_heads=40, vocab_size=32000),
 }
 
 

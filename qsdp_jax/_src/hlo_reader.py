@@ -12,9 +12,14 @@ How the HLO is read
 * A ``while`` body runs ``n`` times where ``n`` is XLA's annotation
   ``backend_config={..."known_trip_count":{"n":"4"}...}`` (what XLA prints on the while op;
   the escaped, quoted form of ``backend_config`` is read too); its condition runs ``n+1`` times.
+  XLA:TPU prints no trip count: there ``n`` is read from the condition, ``counter < N`` with the
+  counter starting at a constant 0 (``hlo_trip.inferred_trip_count``).
   **Missing trip count:** the loop is counted as running once, every collective under it gets
   ``trip_count_known=False`` and the report gets a line in ``warnings``; pass ``strict=True``
   to raise :class:`UnknownTripCountError` instead. (Only loops that contain collectives matter.)
+* XLA:TPU prints a reduce-scatter as a fusion whose computation, named ``all-reduce-scatter*``,
+  holds an ``all-reduce`` and a dynamic slice per device: that all-reduce is counted as the
+  reduce-scatter the chip runs (``wire_model``).
 * Every branch of a ``conditional`` is counted as if it ran (an upper bound; a warning is
   recorded when a branch holds collectives).
 * Async collectives are counted once, at their start: ``all-gather-start``,

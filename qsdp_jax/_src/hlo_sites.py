@@ -9,6 +9,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from qsdp_jax._src.hlo_trip import inferred_trip_count
 from qsdp_jax._src.hlo_reader import (
     _UNMODELED,
     KINDS,
@@ -27,7 +28,7 @@ _CALL_KEYS = ("calls", "to_apply", "true_computation", "false_computation")
 _LIST_KEYS = ("branch_computations", "called_computations")
 
 
-def _callees(instr: _Instr) -> list[tuple[str, int | None, str]]:
+def _callees(instr: _Instr, module: HloModule) -> list[tuple[str, int | None, str]]:
     """(callee, factor or None if unknown, edge kind) for each computation ``instr`` runs."""
     op = instr.opcode
     if op.endswith("-done") or op.endswith("-update"):
@@ -35,7 +36,7 @@ def _callees(instr: _Instr) -> list[tuple[str, int | None, str]]:
     out: list[tuple[str, int | None, str]] = []
     if op == "while":
         m = _TRIP_RE.search(instr.raw)
-        trip = int(m.group(1)) if m else None
+        trip = int(m.group(1)) if m else inferred_trip_count(module, instr)
         body = _attr_value(instr.attrs, "body")
         cond = _attr_value(instr.attrs, "condition")
         if body:
@@ -86,7 +87,7 @@ def _call_graph(module: HloModule) -> tuple[dict, list[str]]:
     edges: dict[str, list[tuple[str, int | None, str, _Instr]]] = {}  # a DAG in valid HLO
     for cname, instrs in comps.items():
         edges[cname] = [
-            (callee, f, kind, ins) for ins in instrs for callee, f, kind in _callees(ins) if callee in comps
+            (callee, f, kind, ins) for ins in instrs for callee, f, kind in _callees(ins, module) if callee in comps
         ]
     order: list[str] = []  # post-order from the entry
     seen = {module.entry}

@@ -41,6 +41,10 @@ def site_collectives(site: CollectiveSite, num_devices: int, warnings: list[str]
     """
     ins, kind, is_start = site.instr, site.kind, site.is_async_start
     count, known, local, global_ = site.count, site.trip_count_known, site.local, site.shapes
+    if kind == "all-reduce" and ins.computation.startswith("all-reduce-scatter"):
+        # XLA:TPU prints a reduce-scatter as a fusion calling %all-reduce-scatter*: an all-reduce
+        # then each device's dynamic slice, which the chip runs as one reduce-scatter
+        kind = "reduce-scatter"
     if ins.shape is None:
         raise ValueError(f"collective %{ins.name} has no result shape: {ins.raw[:200]}")
     # Inputs and outputs as lists of array leaves.
@@ -54,7 +58,7 @@ def site_collectives(site: CollectiveSite, num_devices: int, warnings: list[str]
         outputs = ins.shape.elements[1].leaves()
     else:
         outputs = ins.shape.leaves()
-        inputs = outputs if kind == "all-reduce" else _resolve_operands(ins, local, global_)
+        inputs = outputs if ins.opcode.startswith("all-reduce") else _resolve_operands(ins, local, global_)
 
     if kind == "collective-permute":
         pairs_text = _attr_value(ins.attrs, "source_target_pairs") or "{}"

@@ -1,0 +1,140 @@
+"""The compile-for-real-targets benchmark (experiments/bench/aot.py) and its schedule reader.
+
+The schedule reader runs on hand-written HLO everywhere; the benchmark rows compile the tiny GPT
+for a TPU topology (libtpu; CI installs it) and for H100s (the CUDA plugin, skipped without it).
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from experiments.shelf import schedule, targets
+
+HLO = """HloModule m, num_partitions=8
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %v = f32[8]{0} get-tuple-element(%p), index=1
+  %r = f32[8]{0} call(%v), to_apply=%inner
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %r)
+}
+
+%inner (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %ags = (f32[8]{0}, f32[64]{0}) all-gather-start(%x), replica_groups=[1,8]<=[8], dimensions={0}, metadata={op_name="jit(f)/transpose(jvp())/all_gather"}
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused
+  %mm = f32[8]{0} fusion(%x), kind=kCustom, calls=%gemm
+  %agd = f32[64]{0} all-gather-done(%ags)
+  ROOT %s = f32[8]{0} slice(%agd), slice={[0:8]}
+}
+
+%fused (y: f32[8]) -> f32[8] {
+  %y = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%y)
+}
+
+%rs_wrap (g: f32[64]) -> f32[8] {
+  %g = f32[64]{0} parameter(0)
+  ROOT %rs = f32[8]{0} reduce-scatter(%g), replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%fused
+}
+
+%gemm (m: f32[8]) -> f32[8] {
+  %m = f32[8]{0} parameter(0)
+  %m2 = f32[1,8]{1,0} reshape(%m)
+  %d = f32[8,8]{1,0} dot(%m2, %m2), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  ROOT %r = f32[8]{0} slice(%m), slice={[0:8]}
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %ars = f32[8]{0} all-reduce-start(%a), replica_groups=[1,8]<=[8], to_apply=%fused
+  %ard = f32[8]{0} all-reduce-done(%ars)
+  %ag = f32[64]{0} all-gather(%ard), replica_groups=[1,8]<=[8], dimensions={0}
+  %rss = ((f32[64]{0}), f32[8]{0}) async-start(%ag), calls=%rs_wrap
+  %f2 = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused
+  %rsd = f32[8]{0} async-done(%rss)
+  %z = s32[] constant(0)
+  %t0 = (s32[], f32[8]{0}) tuple(%z, %a)
+  %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body
+  ROOT %o = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_schedule_reads_what_runs_between_start_and_done():
+    """An all-gather in a function the loop body calls, with an elementwise fusion and a matmul
+    fusion between its start and done, in the backward pass: hidden, in the loop; an all-reduce
+    whose done follows its start at once: exposed; a synchronous all-gather: exposed, not
+    asynchronous; a reduce-scatter wrapped in an async-start with only an elementwise fusion
+    before its async-done: exposed, counted once."""
+    got = {s.kind: s for s in schedule.sites(HLO)}
+    ag_loop = [s for s in schedule.sites(HLO) if s.in_loop]
+    assert len(ag_loop) == 1 and ag_loop[0].hidden and ag_loop[0].backward and ag_loop[0].asynchronous
+    assert ag_loop[0].bytes == 256 and ag_loop[0].dtype == "f32"
+    assert got["all-reduce"].asynchronous and not got["all-reduce"].hidden
+    sync = [s for s in schedule.sites(HLO) if s.kind == "all-gather" and not s.in_loop]
+    assert len(sync) == 1 and not sync[0].asynchronous and not sync[0].hidden
+    rs = got["reduce-scatter"]  # only an elementwise fusion while it travels: exposed
+    assert rs.asynchronous and rs.compute_between == 1 and not rs.hidden and rs.bytes == 32
+    assert (ag_loop[0].compute_between, ag_loop[0].matmuls_between) == (2, 1)
+    summary = schedule.summary(schedule.sites(HLO))
+    assert summary["backward loop"] == {"collectives": 1, "async": 1, "hidden": 1, "bytes": 256, "hidden_bytes": 256}
+    assert summary["outside loops"]["collectives"] == 3 and summary["outside loops"]["hidden"] == 0
+
+
+def test_gpu_target_config_names_the_chip():
+    """The GpuTargetConfigProto text holds the spec's figures and only fields jaxlib 0.10 parses
+    (no feature_extension, no per-unit rates)."""
+    text = targets.gpu_target_config(targets.H100)
+    assert "core_count: 132" in text and 'name: "NVIDIA H100 80GB HBM3"' in text
+    assert "feature_extension" not in text and "rate_infos" not in text
+    assert targets.TARGETS["h100-64"].n_chips == 64 and targets.TARGETS["v5p-64"].n_chips == 64
+
+
+def _row_checks(row, kernels):
+    assert row["kernels"] == kernels and row["n_chips"] == 4 or row["n_chips"] == 8
+    assert 0 < row["peak_bytes"] < row["hbm_bytes"] and row["compile_s"] > 0
+    assert row["trip_counts_known"], "the layer loops' trip counts were read"
+    assert any(k.startswith("all-gather u8") for k in row["wire_by_kind_dtype"]), row["wire_by_kind_dtype"]
+    assert row["overlap"] and row["model_time"]["step_s"] > row["model_time"]["compute_s"] >= 0
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None and os.environ.get("CI") != "true", reason="libtpu is not installed"
+)
+def test_a_tpu_row_compiles_with_the_pallas_kernels(tmp_path):
+    """One row for a v5e:2x2 slice, tiny GPT, QSDP W8G8: compiled by XLA:TPU with the Mosaic
+    kernels (what kernels="auto" runs on a TPU), its u8 gathers counted with the loops' trip
+    counts read from the TPU's text; the JSON is written, a second run resumes (no compile), and
+    --recount reads the kept compiled text to the same row."""
+    from experiments.bench import aot
+
+    out = tmp_path / "aot.json"
+    hlo = ["--hlo-dir", str(tmp_path / "hlo")]
+    args = ["--targets", "v5e-4", "--models", "tiny", "--schemes", "qsdp-W8G8", "--out", str(out), *hlo]
+    assert aot.main(args) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    _row_checks(row, "pallas")
+    assert row["compiler_flops"] > 0  # XLA:TPU's own cost analysis
+    before = out.read_text()
+    assert aot.main(args) == 0 and out.read_text() == before  # resumed: nothing compiled again
+    assert aot.main(["--out", str(out), "--recount", "--targets", "v5e-4", "--models", "tiny", *hlo]) == 0
+    assert json.loads(out.read_text())["rows"] == [row]  # the kept text read again: the same row
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda13_plugin") is None, reason="the CUDA plugin is not installed")
+def test_a_gpu_row_compiles_for_h100():
+    """One row for 8 H100s (our target-config text), tiny GPT, QSDP W8G8, compiled by XLA:GPU."""
+    from experiments.bench import aot
+
+    row = aot.measure(targets.TARGETS["h100-8"], "tiny", "qsdp-W8G8")
+    _row_checks(row, "reference")
+    assert row["chip"] == "NVIDIA H100 80GB HBM3"
