@@ -114,6 +114,16 @@ def test_bad_function_name_raises_with_stderr():
     assert_no_children(ei.value)
 
 
+def test_failures_a_second_apart_are_each_reported():
+    """Process 1 fails at once, process 0 a second later, for the same cause: both errors are
+    reported (a fixed 0.1 s wait killed process 0 first, the load flake of the test above)."""
+    with pytest.raises(WorkerError) as ei:
+        run_processes(PROBE, "staggered_failure_probe", 2, {"delay_s": 1.0}, timeout_s=60)
+    assert set(ei.value.stderr_tails) == {0, 1}
+    assert "process 0 fails" in ei.value.stderr_tails[0] and "process 1 fails" in ei.value.stderr_tails[1]
+    assert_no_children(ei.value)
+
+
 def test_one_crashing_worker_kills_the_other():
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as ei:

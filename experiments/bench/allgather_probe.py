@@ -134,6 +134,16 @@ def crash_probe(fail_process: int = 1, wait_s: float = 60.0) -> dict:
     return {"process_index": jax.process_index()}
 
 
+def staggered_failure_probe(delay_s: float = 1.0) -> dict:
+    """Diagnostic: every process raises, the last first and each lower index ``delay_s`` later
+    (one cause, failing at moments as far apart as start-up times on a loaded machine). Used to
+    test that ``run_processes`` reports each process's own error, not only the first."""
+    import jax
+
+    time.sleep((jax.process_count() - 1 - jax.process_index()) * delay_s)
+    raise RuntimeError(f"staggered_failure_probe: process {jax.process_index()} fails")
+
+
 def env_probe() -> dict:
     """Diagnostic: what a worker sees (devices, flags, gloo pinning) after one psum."""
     import os

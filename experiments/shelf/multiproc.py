@@ -68,6 +68,9 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _TAIL_CHARS = 4000
 _POLL_S = 0.02
+# How long the other workers get, after one fails, to exit by themselves and report their own
+# errors (see _await_exits), before they are killed.
+_FAILURE_GRACE_S = 5.0
 
 
 class WorkerError(RuntimeError):
@@ -327,6 +330,20 @@ def _worker_cmd(python, module, func, i, n, port, tmpdir, timeout_s, run_id, net
     return cmd if netns is None else ["ip", "netns", "exec", netns, *cmd]
 
 
+def _await_exits(children: list, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for every child to exit by itself (back at once when all have).
+
+    Workers that fail for one cause (a bad function name, a bad argument) fail at moments that
+    differ by their start-up time, which on a loaded machine is more than a second apart: a
+    fixed 0.1 s wait killed process 0 before its own error (the flake of
+    ``test_bad_function_name_raises_with_stderr``, only process 1's stderr reported). A worker
+    still running after the grace (blocked on its dead peer) is killed by the caller.
+    """
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end and any(c.popen.poll() is None for c in children):
+        time.sleep(0.05)
+
+
 def _run_once(
     module, func, n, kwargs_json, devices, ns_name, timeout_s, port, threads, extra_env, python
 ) -> list[dict]:
@@ -358,7 +375,7 @@ def _run_once(
                 rcs = [c.popen.poll() for c in children]
                 failed = [c for c, rc in zip(children, rcs) if rc not in (None, 0)]
                 if failed:
-                    time.sleep(0.1)  # let near-simultaneous failures land, for a better report
+                    _await_exits(children, _FAILURE_GRACE_S)  # let the others' own failures land
                     failed = [c for c in children if c.popen.poll() not in (None, 0)]
                     _kill_all(children)
                     raise _error(
