@@ -40,8 +40,9 @@ from pathlib import Path
 
 from experiments.bench.memory import compile_step, peak_bytes
 from experiments.shelf import schedule
-from experiments.shelf.schemes import split_scheme
+from experiments.shelf.schemes import scheme_config, split_scheme
 from experiments.shelf.targets import TARGETS, Target, devices
+from experiments.shelf.wire_bytes import formula_bytes, gpt_collective_counts
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "aot.json"
 DEFAULT_HLO = Path(__file__).resolve().parents[2] / ".aot_hlo"  # not committed (.gitignore)
@@ -69,9 +70,6 @@ def model_flops(model_name: str, tokens: int) -> float:
 def _formula(state, scheme: str, n: int) -> float | None:
     """The analytic wire bytes of the gathers and scatters (``wire_bytes.formula_bytes``) for a
     ``q.make_train_step`` scheme; None for GSPMD, whose collectives the compiler chooses."""
-    from experiments.shelf.schemes import scheme_config
-    from experiments.shelf.wire_bytes import formula_bytes, gpt_collective_counts
-
     if split_scheme(scheme)[0] == "gspmd":
         return None
     return formula_bytes(state.layout, scheme_config(scheme), n, *gpt_collective_counts())["total"]
