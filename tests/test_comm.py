@@ -530,8 +530,7 @@ def test_a_tpu_reduce_scatter_fusion_counts_as_a_reduce_scatter():
 }
 """
     hlo = _module(
-        "  %x = f32[64]{0} parameter(0)\n"
-        "  ROOT %f = f32[8]{0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.3",
+        "  %x = f32[64]{0} parameter(0)\n  ROOT %f = f32[8]{0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.3",
         extra=extra,
     )
     c = _only(comm_report_from_hlo(hlo))

@@ -29,6 +29,7 @@ if os.environ.get("CI") == "true":
 else:
     pytest.importorskip("libtpu", reason="libtpu is not installed (pip install -e '.[aot-tpu]')")
 from experiments.bench import tpu_kernels  # noqa: E402  (after the skip: it needs libtpu)
+from experiments.shelf.targets import tpu_devices  # noqa: E402
 
 GENERATIONS = ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2")
 
@@ -47,7 +48,7 @@ def test_every_kernel_compiles_for_each_tpu_generation(topology):
 
 def _toy_step(topology, kernels, weights, grads, bucket=128):
     """The toy model's train step on a TPU topology, compiled ahead of time."""
-    devices = tpu_kernels.topology_devices(topology)
+    devices = tpu_devices(topology)
     mesh = q.make_mesh(devices=devices)
     if weights is None:
         cfg = q.QSDPConfig.fp32(min_shard_size=128)
@@ -86,7 +87,7 @@ def test_a_kernel_the_compiler_refuses_is_named_with_the_way_out(monkeypatch):
     """A real refusal by libtpu (a row block far past VMEM) becomes a KernelCompileError naming
     the kernel, the chip and ``kernels='reference'``, with XLA's error as its cause."""
     monkeypatch.setitem(kp._BLOCK_ELEMS, "mosaic_tpu", 1 << 21)
-    devices = tpu_kernels.topology_devices("v5e:2x2")
+    devices = tpu_devices("v5e:2x2")
     kind = devices[0].device_kind
     fn = functools.partial(qk.quantize_pack, bits=4, bucket=1024, rounding="stochastic", target="mosaic_tpu")
     x = jax.ShapeDtypeStruct((1 << 21,), jnp.float32)

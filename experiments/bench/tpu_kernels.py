@@ -18,10 +18,11 @@ import argparse
 import contextlib
 import functools
 import json
-import os
 import sys
 import time
 from pathlib import Path
+
+from experiments.shelf.targets import tpu_devices
 
 TOPOLOGIES = ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2")
 KERNELS = (
@@ -35,19 +36,6 @@ KERNELS = (
 )
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "tpu_kernels.json"
 ROWS_PER_CASE = 100  # buckets per row of the compiled arrays (3 rows): not a multiple of the row block
-
-
-def topology_devices(name: str) -> list:
-    """The compile-only devices of TPU topology ``name`` (e.g. ``"v5e:2x2"``).
-
-    Compiling needs no chip, so libtpu's one-process lock (``/tmp/libtpu_lockfile``, which made
-    a second process fail with ``ABORTED: Internal error when accessing libtpu multi-process
-    lockfile``) is turned off for this process: ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``.
-    """
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
-
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
 
 
 @contextlib.contextmanager
@@ -101,7 +89,7 @@ def compile_cases(topology: str, todo: list[tuple[str, int, int]]) -> list[dict]
     """Compile each case for the first device of ``topology``; one row per case."""
     import jax
 
-    device = topology_devices(topology)[0]
+    device = tpu_devices(topology)[0]
     rows = []
     for kernel, bits, bucket in todo:
         fn, args = _kernel_fn(kernel, bits, bucket)

@@ -120,17 +120,26 @@ TARGETS = {
 }
 
 
-def devices(target: Target) -> list:
-    """The compile-only devices of ``target``, in the topology's order.
+def tpu_devices(topology: str) -> list:
+    """The compile-only devices of the TPU topology ``topology`` (e.g. ``"v5e:2x2"``).
 
-    libtpu's one-process lock is turned off (``ALLOW_MULTIPLE_LIBTPU_LOAD``): compiling needs no
-    chip, and a second process (a test worker, a benchmark) would otherwise fail to load it.
+    libtpu's one-process lock (``/tmp/libtpu_lockfile``) is turned off for this process
+    (``ALLOW_MULTIPLE_LIBTPU_LOAD=1``): compiling needs no chip, and a second process (a test
+    worker, a benchmark) failed with ``ABORTED: Internal error when accessing libtpu
+    multi-process lockfile``.
     """
     from jax.experimental import topologies
 
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+
+
+def devices(target: Target) -> list:
+    """The compile-only devices of ``target``, in the topology's order."""
+    from jax.experimental import topologies
+
     if target.kind == "tpu":
-        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=target.topology).devices)
+        return tpu_devices(target.topology)
     assert target.gpu is not None
     config = gpu_target_config(target.gpu)  # topology: 1 slice x hosts x GPUs per host
     desc = topologies.get_topology_desc(target.name, "cuda", target_config=config, topology=f"1x{target.topology}")
