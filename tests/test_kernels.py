@@ -330,3 +330,15 @@ def test_device_check_kernels_runs_here(tmp_path):
     assert {r["buckets"] for r in out["rows"]} == {28, 32}
     assert all(r["device_ref_equals_cpu_ref"] for r in out["rows"])
     assert "36/36 with whole row blocks" in device_check.table(tmp_path)
+
+
+def test_the_tpu_form_refuses_a_bucket_that_is_not_whole_lanes():
+    """The TPU kernels take buckets of whole 128-lane rows; asked for another, they say so (the
+    dispatch never asks: such buckets use the reference on a TPU)."""
+    x = jnp.zeros((2, 4 * 64), jnp.float32)
+    with pytest.raises(ValueError, match="bucket=64 does not suit the TPU kernels"):
+        qk.quantize_pack(x, 8, 64, "nearest", target="tpu_interpret")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        qk.unpack_dequantize(
+            jnp.zeros((2, 256), jnp.uint8), jnp.zeros((2, 4)), jnp.zeros((2, 4)), 8, 64, 256, target="mosaic_tpu"
+        )

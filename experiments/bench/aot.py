@@ -146,11 +146,16 @@ def _hlo_path(hlo_dir: Path, target: str, model: str, scheme: str) -> Path:
     return hlo_dir / f"{target}_{model}_{scheme}.hlo.gz"
 
 
+def _scheme_width(rows: list[dict]) -> int:
+    return max([20] + [len(r["scheme"]) + 2 for r in rows])
+
+
 def table(rows: list[dict]) -> str:
     """One line per row; ``vs gspmd`` is the peak over the GSPMD row of the same target and model."""
     base = {(r["target"], r["model"]): r["peak_bytes"] for r in rows if r["scheme"] == "gspmd"}
+    w = _scheme_width(rows)
     head = (
-        f"{'target':<8}{'chip':<22}{'model':<10}{'scheme':<20}{'peak MB':>9}{'vs gspmd':>9}{'HBM':>6}"
+        f"{'target':<8}{'chip':<22}{'model':<16}{'scheme':<{w}}{'peak MB':>9}{'vs gspmd':>9}{'HBM':>6}"
         f"{'compile s':>10}{'wire MB':>9}{'formula':>9}{'hidden':>8}{'model ms':>9}"
     )
     lines = [head, "-" * len(head)]
@@ -162,7 +167,7 @@ def table(rows: list[dict]) -> str:
         hidden = f"{sum(o['hidden'] for o in ov)}/{sum(o['collectives'] for o in ov)}"
         form = "-" if r["formula_wire_bytes"] is None else f"{r['formula_wire_bytes'] / MB:.1f}"
         lines.append(
-            f"{r['target']:<8}{r['chip'][:21]:<22}{r['model']:<10}{r['scheme']:<20}{r['peak_bytes'] / MB:>9.1f}"
+            f"{r['target']:<8}{r['chip'][:21]:<22}{r['model']:<16}{r['scheme']:<{w}}{r['peak_bytes'] / MB:>9.1f}"
             f"{vs:>9}{fits:>6}{r['compile_s']:>10.1f}{r['wire_bytes'] / MB:>9.1f}{form:>9}{hidden:>8}"
             f"{r['model_time']['step_s'] * 1e3:>9.2f}"
         )
@@ -180,12 +185,13 @@ def table(rows: list[dict]) -> str:
 
 def overlap_table(rows: list[dict]) -> str:
     """Per row and pass: collectives, how many are asynchronous, how many hide behind compute."""
-    head = f"{'target':<8}{'model':<10}{'scheme':<20}{'pass':<15}{'collectives':>12}{'async':>7}{'hidden':>8}{'MB':>9}"
+    w = _scheme_width(rows)
+    head = f"{'target':<8}{'model':<16}{'scheme':<{w}}{'pass':<15}{'collectives':>12}{'async':>7}{'hidden':>8}{'MB':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         for name, o in r["overlap"].items():
             lines.append(
-                f"{r['target']:<8}{r['model']:<10}{r['scheme']:<20}{name:<15}{o['collectives']:>12}{o['async']:>7}"
+                f"{r['target']:<8}{r['model']:<16}{r['scheme']:<{w}}{name:<15}{o['collectives']:>12}{o['async']:>7}"
                 f"{o['hidden']:>8}{o['bytes'] / MB:>9.1f}"
             )
     return "\n".join(lines)
