@@ -36,6 +36,10 @@ with a message naming it, status 75), for any training loop::
     distributed.check_agreement({"lr": lr, "seed": seed, "steps": steps})
     with distributed.watch_peers(timeout_s=10):
         train()
+
+:class:`StopVote` makes every process stop after the same step when any of them is asked to
+(a scheduler's SIGTERM reaches the processes of a job at slightly different moments), so that
+all save the same checkpoint.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from qsdp_jax._src.cluster_env import (  # noqa: F401  (the variables' names: pa
     detect_cluster,
     settings_from_env,
 )
+from qsdp_jax._src.stop_vote import StopVote  # noqa: F401  (part of this module's API)
 from qsdp_jax._src.process_output import (  # noqa: F401  (part of this module's API)
     enable_process_log,
     is_main_process,
@@ -79,6 +84,7 @@ __all__ = [
     "DistributedInfo",
     "DistributedSettings",
     "SettingsMismatch",
+    "StopVote",
     "agree_on_error",
     "check_agreement",
     "enable_process_log",

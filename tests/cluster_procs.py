@@ -5,6 +5,7 @@ tests/test_cluster_failures.py."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,16 +19,25 @@ SMALL = trainer_flags(d_model=32, seq_len=32, batch=8, steps=3, no_fp32_ratio=Tr
 
 
 def start_trainers(
-    tmp_path: Path, extra: list[list[str]], *, port: int | None = None, ids=(0, 1), num_processes: int = 2, env=None
+    tmp_path: Path,
+    extra: list[list[str]],
+    *,
+    port: int | None = None,
+    ids=(0, 1),
+    num_processes: int = 2,
+    env=None,
+    tag: str = "p",
 ) -> list[subprocess.Popen]:
     """One trainer process per entry of ``ids`` (its ``--process-id``), with ``extra[k]`` added to
-    its flags; stdout+stderr to ``tmp_path/p<k>.log``."""
+    its flags; stdout+stderr to ``tmp_path/<tag><k>.log``. Each is the leader of a process group
+    of its own, as the tasks of a scheduler's job are (``os.killpg(p.pid, ...)`` signals it and
+    whatever it started in its group)."""
     port = port or find_free_port()
     full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     full_env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **(env or {}))
     procs = []
     for k, (pid, flags) in enumerate(zip(ids, extra)):
-        log = open(tmp_path / f"p{k}.log", "w")
+        log = open(tmp_path / f"{tag}{k}.log", "w")
         procs.append(
             subprocess.Popen(
                 [
@@ -48,6 +58,7 @@ def start_trainers(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 text=True,
+                start_new_session=True,
             )
         )
     return procs
@@ -62,14 +73,16 @@ def wait_all(procs, timeout_s: float) -> list[int | None]:
         except subprocess.TimeoutExpired:
             codes.append(None)
     for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the process and anything left in its group
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()
     return codes
 
 
-def read_log(tmp_path: Path, k: int) -> str:
-    return (tmp_path / f"p{k}.log").read_text(errors="replace")
+def read_log(tmp_path: Path, k: int, tag: str = "p") -> str:
+    return (tmp_path / f"{tag}{k}.log").read_text(errors="replace")
 
 
 def wait_for(predicate, timeout_s: float, procs=()) -> None:

@@ -4,6 +4,8 @@ JAX's C++ abort, status 134, naming nothing). 2 trainer processes x 4 simulated 
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import time
 
@@ -32,16 +34,24 @@ def _start_watched(tmp_path, flags=()):
 
 
 @pytest.mark.parametrize(
-    "victim, sig, message, bound",
+    "victim, sig, group, message, bound",
     [
-        (0, signal.SIGKILL, "process 1 of 2 stops: process 0 of 2 (the coordinator) died or was killed", 5.0),
-        (1, signal.SIGSTOP, "process 0 of 2 stops: process 1 of 2 sent no heartbeat for 3 s", 3.0 + 5.0),
+        (0, signal.SIGKILL, False, "process 1 of 2 stops: process 0 of 2 (the coordinator) died or was killed", 5.0),
+        (0, signal.SIGKILL, True, "process 1 of 2 stops: process 0 of 2 (the coordinator) died or was killed", 5.0),
+        (1, signal.SIGSTOP, False, "process 0 of 2 stops: process 1 of 2 sent no heartbeat for 3 s", 3.0 + 5.0),
     ],
+    ids=["kill-0", "kill-0s-group", "stop-1"],
 )
-def test_lost_process_ends_the_survivor_with_a_message(tmp_path, victim, sig, message, bound):
+def test_lost_process_ends_the_survivor_with_a_message(tmp_path, victim, sig, group, message, bound):
+    """``kill-0s-group`` is the whole process group of process 0 killed, as a scheduler or an
+    out-of-memory killer of the task does: it took the coordination service's helper with it,
+    and the survivor ended 134 from C++ with no message in 2 of 3 tries."""
     procs = _start_watched(tmp_path, ["--peer-timeout", "3"])
     survivor = 1 - victim
-    procs[victim].send_signal(sig)
+    if group:
+        os.killpg(procs[victim].pid, sig)
+    else:
+        procs[victim].send_signal(sig)
     t0 = time.monotonic()
     try:
         code = procs[survivor].wait(timeout=60)
@@ -137,3 +147,27 @@ def test_a_second_process_0_is_refused_at_once(tmp_path):
     assert code == 2, text[-2000:]
     assert f"the coordinator's port {port} (127.0.0.1:{port}) is already in use" in text, text
     assert "do two processes share an id?" in text
+
+
+def test_sigterm_to_every_process_group_saves_one_step_on_both(tmp_path):
+    """A scheduler's stop (SLURM's scancel, preemption, time limit; timeout; systemd) is a
+    SIGTERM to each task's process group. Both processes save the same step and exit 143 (before:
+    the coordination service's helper, in process 0's group, died of it and JAX aborted both
+    trainers from C++, status 134, no checkpoint). The exact resume after such a stop is
+    tests/test_trainer_cluster.py::test_two_processes_stop_resume_and_overwrite_checkpoints."""
+    from qsdp_jax.checkpoint import Checkpointer
+
+    procs = _start_watched(tmp_path, ["--checkpoint-every", "100", "--eval-every", "200"])
+    logs = [tmp_path / "logs" / f"process_00{i}.log" for i in range(2)]
+    wait_for(lambda: all("step 3 loss" in f.read_text() for f in logs), 120, procs)
+    for p in procs:
+        os.killpg(p.pid, signal.SIGTERM)
+    codes = wait_all(procs, 120)
+    texts = [read_log(tmp_path, i) for i in range(2)]
+    assert codes == [143, 143], [t[-2000:] for t in texts]
+    saved = [re.findall(r"SIGTERM(?: to process \d)? at step (\d+)/200: saved checkpoint", t) for t in texts]
+    assert len(saved[0]) == 1 and saved[0] == saved[1], saved
+    with Checkpointer(tmp_path / "run" / "checkpoints") as c:
+        assert c.latest_step() == int(saved[0][0]) < 200
+    for t in texts:
+        assert "Terminating process because" not in t and "Check failure" not in t, t[-2000:]

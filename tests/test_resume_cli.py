@@ -201,3 +201,30 @@ def test_code_held_weights_resume_exactly_and_match_float32_held(straight, tmp_p
     assert tg.main([*TINY, *codes, "--out", str(out), "--checkpoint-every", "2", "--resume"]) == 0
     for a, b in zip(_rows(out), _rows(straight), strict=True):
         assert (a["loss"], a["grad_norm"], a["val_loss"]) == (b["loss"], b["grad_norm"], b["val_loss"])
+
+
+def _unwritable_dir(tmp_path: Path, kind: str) -> Path:
+    """An existing directory this process cannot write in, or a path it cannot create."""
+    if kind == "cannot-create":
+        return tmp_path / "a-file" / "checkpoints"  # below a regular file: ENOTDIR, root or not
+    if os.geteuid() != 0:
+        d = tmp_path / "read-only"
+        d.mkdir(mode=0o555)
+        return d
+    if not Path("/sys/kernel").is_dir():
+        pytest.skip("running as root without sysfs: no directory here refuses writes")
+    return Path("/sys/kernel")  # sysfs refuses new files even to root
+
+
+@pytest.mark.parametrize("kind", ["read-only", "cannot-create"])
+def test_an_unwritable_checkpoint_directory_is_refused_before_training(tmp_path, capsys, kind):
+    """It trained until its first save and then exited 1, every step lost; now a usage error
+    at startup names the directory, before any step."""
+    (tmp_path / "a-file").write_text("")
+    ckpt = _unwritable_dir(tmp_path, kind)
+    out = tmp_path / "run"
+    code = tg.main([*TINY, "--out", str(out), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"the checkpoint directory {ckpt} is not writable" in err and "--checkpoint-dir" in err, err
+    assert not (out / "metrics.jsonl").exists()

@@ -5,6 +5,7 @@ Two real processes with 1 simulated CPU device each, started by QSDP_* variables
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -126,3 +127,27 @@ def test_the_switch_is_validated_and_read_from_the_environment():
         distributed.DistributedSettings.from_env({"QSDP_SERVICE_HELPER": "maybe"})
     with pytest.raises(ValueError, match="DistributedSettings.service_helper='yes' is invalid: must be True or False"):
         distributed.DistributedSettings(service_helper="yes")  # type: ignore[arg-type]
+
+
+def test_the_helper_is_out_of_process_0s_group_and_ignores_stop_signals():
+    """A scheduler's SIGTERM (or SIGINT, SIGHUP) to process 0's group misses the helper, and one
+    sent to it directly is ignored: the service stays up while the trainers save. ``stop``
+    still ends it."""
+    port = find_free_port()
+    host = ServiceHost.start(f"[::]:{port}", 2, heartbeat_timeout_s=3, shutdown_timeout_s=3, linger_s=1)
+    try:
+        pid = host.proc.pid
+        assert os.getpgid(pid) != os.getpgid(0) and os.getsid(pid) != os.getsid(0)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            os.kill(pid, sig)
+        time.sleep(0.5)
+        assert host.proc.poll() is None, "a stop signal ended the helper"
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # the service still listens
+        t0 = time.monotonic()
+        host.stop()
+        assert host.proc.returncode == 0 and time.monotonic() - t0 < 5
+    finally:
+        if host.proc.poll() is None:
+            host.proc.kill()
+            host.proc.wait()

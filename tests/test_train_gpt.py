@@ -206,3 +206,28 @@ def test_demo_comparison_table():
         assert expected in text, (expected, text)
     c = demo.comparison(fp32, qsdp)
     assert c["bytes_ratio_fp32_over_qsdp"] == 4.0
+
+
+@pytest.mark.parametrize("flags, limit", [([], 10), (["--max-skipped-steps", "3"], 3)])
+def test_a_run_that_skips_every_update_stops_with_a_message(tmp_path, capsys, flags, limit):
+    """--lr 1e30: every update is skipped for non-finite gradients. It used to train on to the
+    end and exit 0 with "train loss nan"; now it stops after --max-skipped-steps in a row
+    (default 10), status 1, saying why."""
+    out = tmp_path / "run"
+    code = tg.main(
+        [*SMALL, "--fp32", "--quiet", "--no-fp32-ratio", "--lr", "1e30", "--warmup", "1"]
+        + ["--steps", "40", "--eval-every", "40", *flags, "--out", str(out)]
+    )
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"the last {limit} steps all had non-finite gradients and skipped their update" in err, err
+    rows = _metrics(out)
+    assert len(rows) < 40 and [r["nonfinite"] for r in rows[-limit:]] == [1] * limit
+    assert not (out / "summary.json").exists()
+
+
+def test_skipped_steps_off_trains_to_the_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = [*SMALL, "--fp32", "--quiet", "--no-fp32-ratio", "--lr", "1e30", "--warmup", "1", "--steps", "12"]
+    assert tg.main([*argv, "--eval-every", "12", "--max-skipped-steps", "0", "--out", str(out)]) == 0
+    assert len(_metrics(out)) == 12

@@ -140,8 +140,9 @@ def test_two_level_trainer_step_exports_for_tpu_and_cuda():
 
 
 def test_two_processes_stop_resume_and_overwrite_checkpoints(tmp_path):
-    """2 processes x 4 devices, checkpoints on a shared directory: a run stopped by SIGTERM after
-    step 3 saves (every process takes part in orbax's save), --resume continues it to the losses
+    """2 processes x 4 devices, checkpoints on a shared directory: a run stopped by SIGTERM to
+    process 1's group after step 3 and to process 0's after step 4 stops after step 4 on both
+    and saves it (every process takes part in orbax's save), --resume continues it to the losses
     of a straight run bit for bit, and a fresh --overwrite run over the same directory (process 0
     alone moves the old checkpoints aside and deletes them, the others wait at a barrier) trains
     to the same losses and leaves only its own checkpoints."""
@@ -179,11 +180,13 @@ def test_two_processes_stop_resume_and_overwrite_checkpoints(tmp_path):
         devices_per_process=4,
         timeout_s=400,
         extra_env=cache,
-        kwargs={"argv": argv, "straight": str(straight), "out": str(out), "stop_at": 3},
+        kwargs={"argv": argv, "straight": str(straight), "out": str(out), "stop_at": {"0": 4, "1": 3}},
     )
     assert [r["process_index"] for r in res] == [0, 1]
+    stops = [r["stopped"] for r in res]
+    assert stops[0] is not None and stops[0].startswith("SIGTERM to process 1 at step 4/6: saved"), stops
+    assert stops[1] is not None and stops[1].startswith("SIGTERM at step 4/6: saved"), stops
     for r in res:
-        assert r["stopped"] is not None and "SIGTERM at step 3/6" in r["stopped"], r["stopped"]
         assert len(r["straight"]) == 6
         assert r["resumed"] == r["straight"] and r["overwritten"] == r["straight"]
     assert _losses(out) == _losses(straight) == res[0]["straight"]

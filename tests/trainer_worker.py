@@ -17,11 +17,12 @@ def train(argvs: list[list[str]]) -> dict:
     return {"process_index": jax.process_index(), "process_count": jax.process_count(), "runs": runs}
 
 
-def stop_resume_overwrite(argv: list[str], straight: str, out: str, stop_at: int) -> dict:
+def stop_resume_overwrite(argv: list[str], straight: str, out: str, stop_at: dict[str, int]) -> dict:
     """In every process: a straight run (``--out straight``); then a run with checkpoints in
-    ``out`` stopped by SIGTERM to this process after step ``stop_at`` (it saves); then
-    ``--resume``; then a fresh ``--overwrite`` run over the same checkpoint directory. The
-    losses of each (the resumed run's history includes the rows before the stop)."""
+    ``out`` stopped by SIGTERM to this process's group after step ``stop_at[process]`` (the
+    processes stop and save after one agreed step); then ``--resume``; then a fresh
+    ``--overwrite`` run over the same checkpoint directory. The losses of each (the resumed
+    run's history includes the rows before the stop)."""
     import os
     import signal
 
@@ -37,8 +38,8 @@ def stop_resume_overwrite(argv: list[str], straight: str, out: str, stop_at: int
 
     def steps(self):
         for log in real(self):
-            if log.step == stop_at:
-                os.kill(os.getpid(), signal.SIGTERM)  # the real signal and handler
+            if log.step == stop_at[str(jax.process_index())]:
+                os.killpg(os.getpgid(0), signal.SIGTERM)  # the real signal and handler, as a scheduler sends it
             yield log
 
     tr.Trainer.steps = steps

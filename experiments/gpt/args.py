@@ -254,6 +254,15 @@ def _add_output_checkpoint_args(p: argparse.ArgumentParser) -> None:
         "or a collective fails, e.g. a peer process died (default: off; S > 0; 60 is a good "
         "bound for multi-process runs)",
     )
+    c.add_argument(
+        "--max-skipped-steps",
+        type=nonnegative_int,
+        default=10,
+        metavar="N",
+        help="stop (status 1) after N steps in a row whose gradients were non-finite, every one "
+        "skipped: a run that cannot train says so instead of finishing with a NaN loss (default: "
+        "10; 0: never stop)",
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -25,11 +25,13 @@ PathLike = str | os.PathLike[str]
 def write_atomic(path, data: str | bytes) -> None:
     """Replace ``path`` with ``data`` atomically: a temporary file in the same directory (created
     with its parents), fsync, rename over it; on any failure the temporary file is removed and
-    ``path`` is untouched. ``str`` is written as UTF-8."""
+    ``path`` is untouched. ``str`` is written as UTF-8. The file gets the mode of any new file
+    (0o666 less the umask), not ``mkstemp``'s private 0o600: a team reads its runs' results."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
@@ -38,6 +40,13 @@ def write_atomic(path, data: str | bytes) -> None:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it, then putting it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import signal
+import tempfile
 import threading
 from pathlib import Path
 from typing import TextIO
@@ -213,6 +215,11 @@ def open_checkpoints(args, out: Path):
     if directory.exists() and not directory.is_dir():
         raise CLIError(f"--checkpoint-dir {directory} exists and is not a directory")
     has = directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+    from qsdp_jax import distributed  # imports jax: prepare_run has set the device flags
+
+    error = distributed.agree_on_error(unwritable(directory), what="checkpoint directory check")
+    if error is not None:  # now, not at the first save after hours of training
+        raise CLIError(error)
     aside = None
     if has and not args.resume:
         if not args.overwrite:
@@ -232,6 +239,22 @@ def open_checkpoints(args, out: Path):
     ckpts = RunCheckpoints(directory, args.checkpoint_every, args.keep)
     ckpts.replaced = aside
     return ckpts
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why this process cannot save checkpoints in ``directory`` (created if missing), or None:
+    a file is created in it and removed, as a save will."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".qsdp-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return (
+            f"the checkpoint directory {directory} is not writable ({e.strerror or e}): no checkpoint "
+            "could be saved; choose another with --checkpoint-dir"
+        )
+    return None
 
 
 def resume_step(ckpts: RunCheckpoints, trainer, args) -> int:

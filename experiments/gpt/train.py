@@ -121,18 +121,23 @@ def train_loop(
     ckpts: RunCheckpoints | None,
     failure_timeout: float | None = None,
     write_metrics: bool = True,
+    max_skipped: int = 0,
 ) -> list:
     """Train from ``start`` to the end, streaming metrics and saving checkpoints; the full
     history (earlier rows of a resumed run included). Raises :class:`Stopped` on SIGTERM/SIGINT
-    after saving. With ``failure_timeout``, a :class:`qsdp_jax.watchdog.StepWatchdog` ends the
-    process (status 75) when no step finishes for that long or a collective fails."""
+    to any process (every process stops after the same step, :class:`qsdp_jax.distributed.StopVote`)
+    after saving, and after ``max_skipped`` steps in a row that skipped their update (0: never).
+    With ``failure_timeout``, a :class:`qsdp_jax.watchdog.StepWatchdog` ends the process
+    (status 75) when no step finishes for that long or a collective fails."""
     import jax  # after prepare_run set the device flags
 
     from experiments.gpt.trainer import StepLog  # imports jax, likewise
+    from qsdp_jax.distributed import StopVote
 
     log = MetricsLog(out / "metrics.jsonl", start, write=write_metrics)  # process 0 writes
     history = [StepLog(**r) for r in log.rows]
     dog = _watchdog(trainer, ckpts, failure_timeout) if failure_timeout is not None else None
+    vote, why, skipped = StopVote(), None, 0  # every process stops after the same step
     with StopSignals() as stop, dog or contextlib.nullcontext():
         try:
             steps = trainer.steps()
@@ -152,7 +157,9 @@ def train_loop(
                 progress.update(entry)
                 if ckpts is not None:
                     ckpts.save(trainer)
-                if stop.received:
+                skipped = skipped + 1 if entry.nonfinite else 0
+                why = vote.check(entry.step, stop.received) or _all_skipped(skipped, max_skipped)
+                if why is not None:
                     break
         except BaseException:
             if progress.tty and progress.enabled:
@@ -168,18 +175,32 @@ def train_loop(
         if ckpts is not None:
             ckpts.finish(trainer)
     finish_peers()  # the collectives are over: this process may exit before the others
-    if stop.received:
-        step = int(trainer.state.step)
-        where = (
-            f"saved checkpoint {ckpts.directory}/{step}; continue with --resume"
-            if ckpts is not None
-            else "no --checkpoint-dir: the weights are not saved"
-        )
-        raise Stopped(
-            f"{stop.received} at step {step}/{trainer.run.steps}: {where}",
-            128 + int(getattr(signal.Signals, stop.received)),
-        )
+    if why is not None:
+        raise _stopped(why, int(trainer.state.step), trainer.run.steps, ckpts)
     return history
+
+
+def _all_skipped(skipped: int, max_skipped: int) -> str | None:
+    """Why the run stops after ``skipped`` steps in a row without an update, or None."""
+    if not max_skipped or skipped < max_skipped:
+        return None
+    return (
+        f"the last {skipped} steps all had non-finite gradients and skipped their update "
+        f"(--max-skipped-steps {max_skipped}): the run is not training; lower --lr or check the data"
+    )
+
+
+def _stopped(why: str, step: int, steps: int, ckpts: RunCheckpoints | None) -> Stopped:
+    """The Stopped of a run that ends early: 128 + the signal for a stop signal, else 1."""
+    where = (
+        f"saved checkpoint {ckpts.directory}/{step}; continue with --resume"
+        if ckpts is not None
+        else "no --checkpoint-dir: the weights are not saved"
+    )
+    signum = getattr(signal.Signals, why.split()[0], None)
+    if signum is None:
+        return Stopped(f"stopped at step {step}/{steps}: {why}; {where}", 1)
+    return Stopped(f"{why} at step {step}/{steps}: {where}", 128 + int(signum))
 
 
 def run_cli(args, *, print_summary: bool = True):
@@ -205,7 +226,16 @@ def run_cli(args, *, print_summary: bool = True):
 
     setup_s = time.perf_counter() - t_start
     progress = Progress(run.steps, run.batch_size * trainer.model.cfg.seq_len, enabled=not args.quiet and main)
-    history = train_loop(trainer, out, start, progress, ckpts, args.failure_timeout, write_metrics=main)
+    history = train_loop(
+        trainer,
+        out,
+        start,
+        progress,
+        ckpts,
+        args.failure_timeout,
+        write_metrics=main,
+        max_skipped=args.max_skipped_steps,
+    )
 
     result = tr.summarise(trainer, history, report, time.perf_counter() - t_start, compile_s)
     summary = {k: v for k, v in result.as_dict().items() if k != "history"}

@@ -18,6 +18,15 @@ reads its standard input. ``done`` (written by :meth:`ServiceHost.stop`, once pr
 at once. The end of its input without ``done`` (process 0 exited or died) stops it ``linger_s``
 later: time for the others to see process 0 gone and end on their own. Its output reaches
 process 0's standard error through a pipe, so it never holds process 0's own output open.
+
+Schedulers stop a job by signalling process groups (SLURM's ``scancel``, preemption and time
+limit, ``timeout``, systemd, most launchers): the helper runs in a session of its own, so a
+signal to process 0's group does not reach it, and it ignores SIGTERM, SIGINT and SIGHUP
+whatever sends them. So a SIGTERM leaves the service up while the trainers save their
+checkpoint together and leave (a helper killed by it aborted every trainer from C++, status 134,
+before their handlers could save), and a SIGKILL to process 0's group leaves the service to
+report process 0's death as missed heartbeats, after the peer monitor's message. It still ends
+with process 0: on ``done``, or ``linger_s`` after process 0's end closes its input.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import time
 
 READY = "ready"
 DONE = "done"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # ignored by the helper
 
 
 class ServiceHost:
@@ -77,7 +87,13 @@ class ServiceHost:
         argv = [sys.executable, "-P", __file__, bind_address, str(num_processes), str(heartbeat_timeout_s)]
         argv += [str(shutdown_timeout_s), str(linger_s), "1" if recoverable else "0"]
         proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, close_fds=True
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            close_fds=True,
+            start_new_session=True,  # out of process 0's process group: the job's signals miss it
         )
         ready = threading.Event()
         threading.Thread(target=_relay, args=(proc, ready), name="qsdp-service-host-output", daemon=True).start()
@@ -131,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("linger_s", type=float)
     p.add_argument("recoverable", type=int, choices=(0, 1))
     a = p.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C ends process 0; this one lingers
+    for sig in STOP_SIGNALS:  # the trainers save and leave first; process 0's end ends this one
+        signal.signal(sig, signal.SIG_IGN)
     from jax._src.lib import _jax  # jax's own constructor of the service (no backend starts)
 
     service = _jax.get_distributed_runtime_service(
