@@ -57,7 +57,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from qsdp_jax._src import checkpoint_safety as safety
-from qsdp_jax._src.checkpoint_arrays import from_item, leaf_names, replicate, to_item
+from qsdp_jax._src.checkpoint_arrays import export_state, from_item, leaf_names, to_item
 from qsdp_jax._src.checkpoint_record import (
     FORMAT,
     CheckpointMismatch,
@@ -66,30 +66,20 @@ from qsdp_jax._src.checkpoint_record import (
     jsonable,
     library_version,
 )
-from qsdp_jax._src.checkpoint_restore import check_restorable, place, set_aside
+from qsdp_jax._src.checkpoint_restore import (
+    check_restorable,
+    place,
+    quiet_late_reads,
+    set_aside,
+    short_error,
+    warn_fell_back,
+)
 from qsdp_jax._src.checkpoint_safety import CheckpointDamaged, CheckpointLocked
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.regrid import regrid as regrid_state
 
 __all__ = ["FORMAT", "CheckpointDamaged", "CheckpointLocked", "CheckpointMismatch", "Checkpointer", "export_state"]
 PyTree = Any
-
-
-def export_state(state, mesh: Mesh) -> dict[str, jax.Array]:
-    """Every leaf of ``state`` replicated on ``mesh``, keyed by its path (what
-    :meth:`Checkpointer.save` stores).
-
-    Args:
-      state: a pytree of arrays, e.g. a :class:`~qsdp_jax.TrainState` (on ``mesh``).
-      mesh: the mesh to replicate the leaves on.
-
-    Returns:
-      A dict ``{leaf path: array}`` from ``jax.tree_util.keystr`` of each leaf's path (e.g.
-      ``".params['embed']['w']"``) to a global array replicated on every device of ``mesh``.
-    """
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    out = replicate(mesh)([x for _, x in leaves])
-    return {jax.tree_util.keystr(p): x for (p, _), x in zip(leaves, out)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,7 +119,10 @@ class Checkpointer:
             cleanup_tmp_directories=not self.read_only,
             read_only=self.read_only,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("arrays", "meta"))
+        handlers = {"arrays": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        # both handlers named up front: reading the record alone warned "Item arrays was found
+        # in the checkpoint, but could not be restored" at every restore
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._lock = safety.WriterLock(self.directory)
         self._closed = False
         safety.finish_at_exit(self)
@@ -191,8 +184,16 @@ class Checkpointer:
         identity: dict | None = None,
         extra: dict | None = None,
         force: bool = True,
+        wait: bool = False,
     ) -> bool:
-        """Save ``state`` at its step (asynchronously unless ``async_save=False``).
+        """Save ``state`` at its step (asynchronously unless ``async_save=False`` or ``wait``).
+
+        An asynchronous save is completed by :meth:`wait`, :meth:`close`, leaving the ``with``
+        block, or the interpreter's normal exit (returning from the script, ``sys.exit``, an
+        uncaught exception: the checkpoint's ``atexit`` hook waits for it). It is **lost** by an
+        exit that skips ``atexit``: ``os._exit`` (what ``multiprocessing`` workers and some
+        launchers end with), a signal without a handler (SIGTERM's default action, SIGKILL), a
+        crash. Pass ``wait=True`` where the process may end that way right after.
 
         Args:
           state: the TrainState.
@@ -201,6 +202,7 @@ class Checkpointer:
           identity: what must match on restore (e.g. the run's settings).
           extra: what is carried (e.g. the data position).
           force: passed to orbax (save whatever the save interval).
+          wait: return only once this save (and any before it) is complete on disk.
 
         Returns:
           False if a checkpoint of that step exists already, else True.
@@ -237,13 +239,14 @@ class Checkpointer:
         host = {k: np.asarray(v.addressable_data(0)) for k, v in arrays.items()}
         meta["checksums"] = safety.checksums(host)
         stored = to_item(state.params, host, names)
-        return bool(
-            self._manager.save(
-                step,
-                args=ocp.args.Composite(arrays=ocp.args.PyTreeSave(stored), meta=ocp.args.JsonSave(meta)),
-                force=force,
-            )
+        saved = self._manager.save(
+            step,
+            args=ocp.args.Composite(arrays=ocp.args.PyTreeSave(stored), meta=ocp.args.JsonSave(meta)),
+            force=force,
         )
+        if wait:
+            self.wait()
+        return bool(saved)
 
     def restore(
         self,
@@ -295,11 +298,11 @@ class Checkpointer:
                 out = self._restore_step(template, config, mesh, s, identity, regrid)
             except CheckpointDamaged as e:
                 damage[s] = str(e)
-                warnings.warn(f"{e}; trying the next older checkpoint", stacklevel=2)
                 continue
             if damage:
-                set_aside(self.directory, sorted(damage), self.read_only)
+                moved = set_aside(self.directory, sorted(damage), self.read_only)
                 self._manager.reload()
+                warn_fell_back(self.directory, s, damage, moved)
             return out
         raise CheckpointDamaged(f"no intact checkpoint in {self.directory}: " + "; ".join(damage.values()))
 
@@ -340,6 +343,7 @@ class Checkpointer:
 
     def _load(self, step: int, meta: dict) -> dict[str, np.ndarray]:
         where = f"checkpoint {self.directory}/{step}"
+        quiet_late_reads()  # a damaged step's late reads would print a traceback each
         try:
             tree = self._manager.item_metadata(step)["arrays"]
             as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
@@ -348,7 +352,8 @@ class Checkpointer:
             )["arrays"]
             out = from_item(got, meta)
         except Exception as e:  # noqa: BLE001 - whatever orbax/tensorstore raise for bad files
-            raise CheckpointDamaged(f"{where}: its arrays cannot be read ({type(e).__name__}: {e})") from e
+            quiet_late_reads(str(self.directory / str(step)))
+            raise CheckpointDamaged(f"{where}: its arrays cannot be read ({short_error(e)})") from e
         safety.verify(out, meta.get("checksums"), where)
         return out
 

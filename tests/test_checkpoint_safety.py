@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +78,25 @@ def test_a_script_ending_right_after_save_keeps_its_checkpoint(tmp_path):
     assert losses == json.loads(losses_file.read_text())  # the same floats: a bit-exact resume
 
 
+@pytest.mark.parametrize("ending", ["os._exit(0)", "os.kill(os.getpid(), signal.SIGTERM)"])
+def test_save_with_wait_survives_an_exit_that_skips_atexit(tmp_path, ending):
+    """``os._exit`` after an asynchronous save left only ``3.orbax-checkpoint-tmp``, status 0 and
+    no message; ``save(..., wait=True)`` returns once the step is on disk."""
+    code = textwrap.dedent("""
+        import os, signal, sys
+        sys.path.insert(0, {tests!r})
+        import test_checkpoint_safety as t
+        mesh, state, step = t._setup()
+        state, _ = t._run(step, state, 0, 3)
+        t.q.Checkpointer(sys.argv[1]).save(state, t.CONFIG, mesh, wait=True)
+        {ending}
+    """).format(tests=str(REPO / "tests"), ending=ending)
+    done = _python(code, tmp_path / "ck")
+    assert done.returncode in (0, -signal.SIGTERM), done.stderr[-2000:]
+    with Checkpointer(tmp_path / "ck") as ckpt:
+        assert ckpt.all_steps() == [3]
+
+
 def _two_steps(tmp_path):
     """A directory with complete checkpoints of steps 2 and 4, and the state at step 2."""
     mesh, state, step = _setup()
@@ -114,13 +135,49 @@ def test_damaged_checkpoint_is_named_and_restore_falls_back(damage, tmp_path):
     ckpt = Checkpointer(ckdir)
     with pytest.raises(CheckpointDamaged, match=f"{ckdir}/4"):
         ckpt.restore(template, CONFIG, mesh, step=4)
-    with pytest.warns(UserWarning, match="trying the next older checkpoint|moved the damaged"):
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         state, _ = ckpt.restore(template, CONFIG, mesh)
+    assert [str(w.message).split(" (")[0] for w in said] == [
+        f"restored step 2 from {ckdir}, the newest intact checkpoint: skipped step 4"
+    ]
+    assert "moved aside to ['4.damaged']" in str(said[0].message)
     assert int(state.step) == 2
     for a, b in zip(_leaves(state), _leaves(state2), strict=True):
         np.testing.assert_array_equal(a, b)
     # The damaged step is kept aside for a person, and saving that step again works.
     assert (ckdir / "4.damaged").is_dir() and ckpt.all_steps() == [2]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_restore_past_a_damaged_step_says_so_once_without_tracebacks(tmp_path, damage):
+    """Array files of the newest step cut in half or deleted: the restore used to fill stderr
+    with up to 42 tracebacks ("RuntimeError: Event loop is closed", tensorstore's late reads
+    into the loop orbax had closed) and absl's false "Item "arrays" was found in the
+    checkpoint, but could not be restored"; now it is one warning."""
+    code = textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, {tests!r})
+        import test_checkpoint_safety as t
+        ckdir, mesh, template, _ = t._two_steps(Path(sys.argv[1]))
+        for p in (ckdir / "4" / "arrays").rglob("*"):
+            if p.is_file() and p.parent.name == "d":
+                if sys.argv[2] == "truncated":
+                    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+                else:
+                    p.unlink()
+        print("RESTORE", file=sys.stderr, flush=True)
+        state, _ = t.Checkpointer(ckdir).restore(template, t.CONFIG, mesh)
+        print("RESTORED", int(state.step), file=sys.stderr, flush=True)
+    """).format(tests=str(REPO / "tests"))
+    done = _python(code, tmp_path, damage)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stderr.split("RESTORE\n", 1)[1]
+    assert "RESTORED 2" in said, said
+    assert said.count("Warning:") == 1 and "restored step 2 from" in said, said
+    for noise in ("Traceback", "Event loop is closed", "could not be restored", "tensorstore_spec"):
+        assert noise not in said, said
 
 
 def test_checksums_catch_changed_values(tmp_path):
@@ -140,7 +197,7 @@ def test_every_step_damaged_is_a_clear_error(tmp_path):
     ckdir, mesh, template, _ = _two_steps(tmp_path)
     for s in ("2", "4"):
         (ckdir / s / "meta" / "metadata").write_text("not json")
-    with pytest.warns(UserWarning), pytest.raises(CheckpointDamaged, match="no intact checkpoint"):
+    with pytest.raises(CheckpointDamaged, match="no intact checkpoint"):
         Checkpointer(ckdir).restore(template, CONFIG, mesh)
 
 
@@ -276,7 +333,7 @@ def test_trainer_resumes_from_the_newest_intact_checkpoint(tmp_path):
     (out / "checkpoints" / "4" / "meta" / "metadata").write_text("{garbage")
     done = _trainer(out, "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "trying the next older checkpoint" in done.stderr
+    assert "restored step 2 from" in done.stderr and "skipped step 6 (" in done.stderr and "; step 4 (" in done.stderr
     with Checkpointer(out / "checkpoints") as c:
         assert c.all_steps() == [2, 4, 6]
         got = c.load_arrays(6)

@@ -74,6 +74,20 @@ def test_step_refuses_a_state_from_another_config(mesh):
         step(state, toymodel.batch(0))
 
 
+@pytest.mark.parametrize("which", ["train", "eval"])
+def test_step_refuses_a_state_on_another_mesh_naming_both(mesh, which):
+    """A state made on 4 devices given to a step built for 8 raised JAX's "cannot reshape array
+    of shape (8, 32) (size 256) into shape 512" from inside the step; now both meshes are named."""
+    small = q.make_mesh(devices=jax.devices()[:4])
+    state, opt = _init(small, CFG)
+    make = q.make_train_step if which == "train" else q.make_eval_step
+    step = make(toymodel.loss, opt, mesh, CFG) if which == "train" else make(toymodel.loss, mesh, CFG)
+    with pytest.raises(
+        ValueError, match=r"lies on the mesh \{'fsdp': 4\} .* but this step was built for the mesh \{'fsdp': 8\}"
+    ):
+        step(state, toymodel.batch(0))
+
+
 def test_wrapped_twice(mesh):
     with pytest.raises(ValueError, match=r"wrapped with qsdp_jax.optim.qsdp\(\) twice"):
         _init(mesh, CFG, opt=optim.qsdp(optim.qsdp(optax.adam(1e-2), CFG), CFG))
@@ -182,3 +196,33 @@ def test_clip_by_global_norm_is_global(mesh):
     assert x.sharding.is_fully_replicated
     shards = [np.asarray(s.data) for s in x.addressable_shards]
     assert all(np.array_equal(shards[0], s) for s in shards)
+
+
+@pytest.mark.parametrize("scale", [2.0, np.float64(2.0), np.full((3,), 2.0)], ids=["python", "np-scalar", "np-array"])
+def test_python_and_float64_leaves_train_as_float32_like_optax(mesh, scale):
+    """A Python float or NumPy float64 leaf: init_train_state accepted it and the first step
+    raised "the state holds a/s as float32[] but ... holds it as float64[]"; now it is held and
+    trained as the float32 JAX makes of it, as optax trains it on one device."""
+    cfg = q.QSDPConfig.fp32(**SMALL)
+    opt = optim.qsdp(optax.adam(1e-2), cfg)
+    params = toymodel.init(0)
+    params["head"]["scale"] = scale
+    state, _ = _init(mesh, cfg, params=params, opt=opt)
+    assert state.params["head"]["scale"].dtype == jnp.float32
+
+    def loss(p, b):
+        return toymodel.loss(p, b) * jnp.mean(p.gather("head")["scale"])
+
+    step = q.make_train_step(loss, opt, mesh, cfg)
+    ref_params = jax.tree.map(jnp.asarray, params)
+    ref_opt = optax.adam(1e-2)
+    ref_state = ref_opt.init(ref_params)
+    for i in range(3):
+        b = toymodel.batch(i)
+        state, _ = step(state, b)
+        g = jax.grad(lambda p: loss(q.LocalParams(p), b))(ref_params)  # noqa: B023  (run in this iteration)
+        u, ref_state = ref_opt.update(g, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, u)
+    got = q.gather_params(state)["head"]["scale"]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref_params["head"]["scale"]), rtol=1e-5)
+    assert float(np.ravel(got)[0]) != 2.0  # it trained

@@ -63,3 +63,20 @@ def from_item(got: dict, meta: dict) -> dict[str, np.ndarray]:
         else:
             out[k] = np.asarray(state[meta["names"][k]])
     return out
+
+
+def export_state(state, mesh: Mesh) -> dict[str, jax.Array]:
+    """Every leaf of ``state`` replicated on ``mesh``, keyed by its path (what
+    :meth:`Checkpointer.save` stores).
+
+    Args:
+      state: a pytree of arrays, e.g. a :class:`~qsdp_jax.TrainState` (on ``mesh``).
+      mesh: the mesh to replicate the leaves on.
+
+    Returns:
+      A dict ``{leaf path: array}`` from ``jax.tree_util.keystr`` of each leaf's path (e.g.
+      ``".params['embed']['w']"``) to a global array replicated on every device of ``mesh``.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    out = replicate(mesh)([x for _, x in leaves])
+    return {jax.tree_util.keystr(p): x for (p, _), x in zip(leaves, out)}

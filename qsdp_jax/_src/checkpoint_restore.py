@@ -4,11 +4,15 @@ arrays placed as the template's are, and damaged steps set aside.
 :meth:`qsdp_jax.checkpoint.Checkpointer.restore` reads a step's record and calls
 :func:`check_restorable` (format, config, layout, identity, weight grids, state structure), reads
 its arrays, and :func:`place` puts each on the template's sharding (refusing another shape or
-dtype). When it fell back past damaged steps, :func:`set_aside` renames their directories.
+dtype). When it fell back past damaged steps, :func:`set_aside` renames their directories and
+:func:`warn_fell_back` says so in one warning; :func:`quiet_late_reads` keeps the tracebacks
+and errors of the skipped step's late reads off stderr.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 import warnings
 from pathlib import Path
 
@@ -96,15 +100,16 @@ def to_device(host: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
-def set_aside(directory: Path, steps: list[int], read_only: bool) -> None:
+def set_aside(directory: Path, steps: list[int], read_only: bool) -> list[str]:
     """Rename damaged step directories to ``<step>.damaged`` (kept for a person to look at),
     so that the resumed run saves those steps afresh instead of skipping them as existing.
 
-    Process 0 renames (unless the directory was opened read-only) and warns; every process then
-    waits for the others. The caller reloads its manager's list of steps afterwards.
+    Process 0 renames (unless the directory was opened read-only); every process then waits for
+    the others. Returns the new names (none on other processes). The caller reloads its
+    manager's list of steps afterwards.
     """
+    moved = []
     if not read_only and jax.process_index() == 0:
-        moved = []
         for s in steps:
             target = directory / f"{s}.damaged"
             n = 1
@@ -112,9 +117,68 @@ def set_aside(directory: Path, steps: list[int], read_only: bool) -> None:
                 target, n = directory / f"{s}.damaged.{n}", n + 1
             (directory / str(s)).rename(target)
             moved.append(target.name)
-        warnings.warn(
-            f"moved the damaged checkpoint(s) aside in {directory}: {moved} (delete them once looked at)",
-            stacklevel=3,
-        )
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"qsdp_jax checkpoint set aside {steps}")
+    return moved
+
+
+def warn_fell_back(directory: Path, step: int, damage: dict[int, str], moved: list[str]) -> None:
+    """The one warning of a restore that skipped damaged steps for ``step``."""
+    aside = f"; moved aside to {moved} (delete once looked at)" if moved else ""
+    warnings.warn(
+        f"restored step {step} from {directory}, the newest intact checkpoint: skipped "
+        + "; ".join(f"step {s} ({why})" for s, why in sorted(damage.items(), reverse=True))
+        + aside,
+        stacklevel=3,
+    )
+
+
+def short_error(e: BaseException, limit: int = 300) -> str:
+    """An orbax/tensorstore error in a line: its type and text up to its tensorstore spec."""
+    text = str(e).split(" [tensorstore_spec=")[0].splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text[:limit]}"
+
+
+_DAMAGED: set[str] = set()  # step directories whose arrays failed to read in this process
+
+
+def _closed_loop_report(report) -> bool:
+    """One of the reports tensorstore makes when a read finishes after orbax closed the event
+    loop it was awaited in (orbax closes it as soon as one read of a damaged step fails)."""
+    return (
+        report.object is None
+        and isinstance(report.exc_value, RuntimeError)
+        and str(report.exc_value) == "Event loop is closed"
+    )
+
+
+class _LateReadErrors(logging.Filter):
+    """asyncio's "Future/Task exception was never retrieved" for a read of a damaged step (the
+    reads orbax left behind when it gave the step up); other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or "exception was never retrieved" not in record.getMessage():
+            return True
+        return not any(d in str(exc) for d in _DAMAGED)
+
+
+def quiet_late_reads(damaged: str | None = None) -> None:
+    """Keep a damaged step's late reads off stderr: tensorstore's "Event loop is closed" reports
+    (a traceback each, up to 42 for one step) and asyncio's never-retrieved errors naming
+    ``damaged`` (a step directory, remembered). Every other unraisable exception goes to the
+    hook there was, every other log record through. The hooks are installed once."""
+    if damaged is not None:
+        _DAMAGED.add(damaged)
+    previous = sys.unraisablehook
+    if not getattr(previous, "_qsdp_quiet", False):
+
+        def hook(report):
+            if not _closed_loop_report(report):
+                previous(report)
+
+        hook._qsdp_quiet = True  # type: ignore[attr-defined]
+        sys.unraisablehook = hook
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _LateReadErrors) for f in log.filters):
+        log.addFilter(_LateReadErrors())

@@ -163,5 +163,7 @@ def _layer_count(name: str, leaves) -> int:
 
 
 def _dtype(x) -> np.dtype:
-    """The dtype of an array, a ShapeDtypeStruct or a Python scalar."""
-    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+    """The dtype JAX gives an array, a ShapeDtypeStruct or a Python scalar on its devices:
+    float32 for a Python float or a NumPy float64 array unless ``jax_enable_x64`` (as optax
+    trains them), not NumPy's float64."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype))

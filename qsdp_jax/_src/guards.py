@@ -86,15 +86,18 @@ def check_not_donated(state, label: Callable = _state_label) -> None:
 
 
 class CheckedStep:
-    """A jitted step that first checks its state was not donated, and says which kernel a
+    """A jitted step that first checks its state was not donated and lies on the step's mesh,
+    and says which kernel a
     compiler refused (``kernels.compile_errors``); forwards ``lower`` etc."""
 
     def __init__(self, jitted, mesh: Mesh):
         self._jitted = jitted
+        self._mesh = mesh
         self._device_kind = mesh.devices.flat[0].device_kind
 
     def __call__(self, state, *args, **kwargs):
         check_not_donated(state)
+        check_mesh(state, self._mesh)  # not JAX's reshape error from deep inside the step
         with kernel_failures_explained(self._device_kind):
             return self._jitted(state, *args, **kwargs)
 
