@@ -109,3 +109,18 @@ def nested_stacks(model, pspecs, ospecs, top: Sequence[Path], named: AbstractSet
         if layer_count(under(pspecs, c), under(ospecs, c), evidence) is not None:
             found.append(c)
     return found
+
+
+def nested_entries(model, pspecs: Sequence[Any], top: Sequence[Path], stacks: Sequence[Path]) -> list[Path]:
+    """The entries of the ``nnx.List`` / ``nnx.Dict`` containers nested below the top-level
+    groups ``top`` (none of them a stack), outside the nested ``stacks``: each is a group of its
+    own, gathered for its own call, as the entries of a top-level container are (a model's
+    ``self.trunk.layers`` list was one group, gathered whole for every call of any block)."""
+    found: list[Path] = []
+    for c in nested_candidates(pspecs, top):
+        if any(c[: len(s)] == s for s in stacks) or not isinstance(node_at(model, c), CONTAINERS):
+            continue
+        for s in pspecs:
+            if s.path[: len(c)] == c and len(s.path) > len(c) + 1 and s.path[: len(c) + 1] not in found:
+                found.append(s.path[: len(c) + 1])
+    return found

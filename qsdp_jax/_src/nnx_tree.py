@@ -13,10 +13,12 @@ its non-parameter state.
   An unstacked module almost always has a 1-D parameter (a bias, a norm scale) or parameters
   of different leading sizes; name the stacks yourself (``stacked=``) where the rule guesses
   wrong.
-* **Nested stacks**: inside a top-level group that is no stack, a sub-module that is one (with
-  a flax layer showing the layer axis, or named in ``stacked=`` by its path, e.g.
-  ``"trunk/layers"``) is a group of its own; the top-level group keeps the rest. A variable
-  belongs to the group with the longest path it starts with (:meth:`ModelDef.group_of`).
+* **Nested stacks and lists**: inside a top-level group that is no stack, a sub-module that is
+  a stack (with a flax layer showing the layer axis, or named in ``stacked=`` by its path, e.g.
+  ``"trunk/layers"``) is a group of its own, and so is every entry of a nested ``nnx.List`` /
+  ``nnx.Dict`` (``"trunk/layers/0"``, gathered for its own call as a top-level list's entries
+  are); the top-level group keeps the rest. A variable belongs to the group with the longest
+  path it starts with (:meth:`ModelDef.group_of`).
 * **Model state**: every variable that is not an ``nnx.Param``, as a flat dict
   ``{"a/b/c": array}``: batch statistics and counters (updated by the step), RNG keys (kept as
   raw key data, so the state holds plain arrays) and RNG counts.
@@ -34,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qsdp_jax._src.nnx_stacks import CONTAINERS, declared_evidence, layer_count, nested_candidates, nested_stacks
+from qsdp_jax._src.nnx_stacks import CONTAINERS, declared_evidence, layer_count, nested_candidates, nested_entries
+from qsdp_jax._src.nnx_stacks import nested_stacks
 from qsdp_jax._src.nnx_stacks import node_at, under
 
 PyTree = Any
@@ -145,11 +148,13 @@ def describe(model: nnx.Module, stacked: Sequence[str] | None = None) -> ModelDe
                 f"(groups: {sorted(path_str(t) for t in top)})"
             )
     named_nested = None if named is None else {candidates[n] for n in named if n in candidates}
-    nested = nested_stacks(model, pspecs, ospecs, [t for t in top if t not in top_stacks], named_nested)
+    unstacked_top = [t for t in top if t not in top_stacks]
+    nested = nested_stacks(model, pspecs, ospecs, unstacked_top, named_nested)
+    entries = nested_entries(model, pspecs, unstacked_top, nested)
     groups: list[Group] = []
     layer_defs: dict[str, tuple[Any, dict[Path, VarSpec]]] = {}
-    for prefix in sorted(top + nested, key=path_str):
-        inner = [c for c in nested if c != prefix and c[: len(prefix)] == prefix]
+    for prefix in sorted(top + nested + entries, key=path_str):
+        inner = [c for c in nested + entries if c != prefix and c[: len(prefix)] == prefix]
         p_in, o_in = under(pspecs, prefix, inner), under(ospecs, prefix, inner)
         if not p_in:  # every parameter of it sits in a nested stack
             continue
