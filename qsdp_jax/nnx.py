@@ -67,7 +67,16 @@ from qsdp_jax._src.nnx_checks import INT_HINT, check_fits, param_label, state_la
 
 PyTree = Any
 
-__all__ = ["TrainStep", "describe", "init_state", "make_eval_step", "make_train_step", "scan", "update"]
+__all__ = [
+    "TrainStep",
+    "abstract_state",
+    "describe",
+    "init_state",
+    "make_eval_step",
+    "make_train_step",
+    "scan",
+    "update",
+]
 
 
 def init_state(
@@ -112,6 +121,45 @@ def init_state(
     state = train.init_checked_state(params, optimizer, mesh, config, mdef.stacked)
     copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=NamedSharding(mesh, P()))
     return dataclasses.replace(state, model_state=copy(model_state(model, mdef)))
+
+
+def abstract_state(
+    model: nnx.Module,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    config: QSDPConfig,
+    *,
+    stacked: Sequence[str] | None = None,
+) -> train.TrainState:
+    """The :func:`init_state` of ``model`` as ``jax.ShapeDtypeStruct`` leaves with their
+    shardings, allocating nothing: compile a step for it to read its memory
+    (``step.lower(abstract, batch).compile().memory_analysis()``) for a model too large for
+    this host. ``model`` may itself be abstract (``nnx.eval_shape(lambda: MyModel(...))``).
+
+    ``jax.eval_shape(lambda: init_state(...))`` is no substitute: its leaves carry no sharding,
+    so a step compiled for them holds every array whole on every device.
+
+    Args:
+      model, optimizer, mesh, config, stacked: as for :func:`init_state`.
+
+    Returns:
+      The :class:`qsdp_jax.TrainState` :func:`init_state` would return, abstract.
+
+    Raises:
+      As :func:`init_state`, less the NaN check (no values are looked at).
+    """
+    guards.check_stacked(stacked)
+    mdef = describe(model, stacked)
+    state = train.abstract_train_state(group_params(model, mdef), optimizer, mesh, config, stacked=mdef.stacked)
+    replicated = NamedSharding(mesh, P())
+    others = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param))):
+        value = var.get_raw_value()
+        if isinstance(var, nnx.RngKey):
+            value = jax.eval_shape(jax.random.key_data, value)
+        shape, dtype = jnp.shape(value), getattr(value, "dtype", None) or jnp.result_type(value)
+        others["/".join(str(k) for k in path)] = jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+    return dataclasses.replace(state, model_state=others)
 
 
 def update(model: nnx.Module, state: train.TrainState) -> None:

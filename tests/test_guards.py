@@ -1,5 +1,6 @@
 """No silent wrong results: each case the probe found is a clear error or correct behaviour."""
 
+import re
 import warnings
 
 import jax
@@ -226,3 +227,19 @@ def test_python_and_float64_leaves_train_as_float32_like_optax(mesh, scale):
     got = q.gather_params(state)["head"]["scale"]
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref_params["head"]["scale"]), rtol=1e-5)
     assert float(np.ravel(got)[0]) != 2.0  # it trained
+
+
+@pytest.mark.parametrize("shape, names", [((8,), ("fsdp",)), ((2, 4), ("node", "fsdp"))])
+def test_a_mesh_with_explicit_axes_is_refused_at_init_with_the_fix(shape, names):
+    """``jax.make_mesh`` makes Explicit axes by default: init_train_state accepted such a mesh
+    and the first step raised a shard_map spec error about an array the user never made."""
+    mesh = jax.make_mesh(shape, names)
+    cfg = CFG if len(names) == 1 else q.QSDPConfig.qsdp(8, 8, node_axis="node", **SMALL)
+    fix = "(AxisType.Auto,)" if len(names) == 1 else "(AxisType.Auto,) * 2"
+    with pytest.raises(ValueError, match=rf"not all Auto \('{names[0]}': Explicit.*axis_types={re.escape(fix)}"):
+        _init(mesh, cfg)
+    auto = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    state, opt = _init(auto, cfg)  # the one-line fix works
+    step = q.make_train_step(toymodel.loss, opt, auto, cfg)
+    _, metrics = step(state, toymodel.batch(0))
+    assert np.isfinite(float(metrics["loss"]))

@@ -293,3 +293,41 @@ def test_a_loss_may_close_over_a_clone_of_the_module(mesh, tiny):
     step = qnnx.make_train_step(tiny["model"], distill, tiny["opt"], mesh, CFG)
     _, metrics = step(_fresh(tiny["state"]), _batch(0))
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_init_state_refuses_a_mesh_with_explicit_axes():
+    """``jax.make_mesh((8,), ("fsdp",))`` (Explicit axes): refused at init_state naming the axis
+    types and the one-line fix, not at the first step with a shard_map spec error."""
+    model = TinyGPT(nnx.Rngs(0))
+    opt = q.optim.qsdp(optax.adam(1e-3), CFG)
+    with pytest.raises(ValueError, match=r"'fsdp': Explicit.*jax.make_mesh\(\.\.\., axis_types=\(AxisType.Auto,\)\)"):
+        qnnx.init_state(model, opt, jax.make_mesh((8,), ("fsdp",)), CFG)
+
+
+def test_abstract_state_for_a_memory_estimate_as_the_guide_shows():
+    """The NNX guide's "bring your model" recipe: q.nnx.abstract_state (nothing allocated) of a
+    concrete or an nnx.eval_shape module is init_state's state as sharded ShapeDtypeStructs;
+    the step compiled for it holds what the step compiled for the real state holds.
+    jax.eval_shape over init_state loses the shardings (the estimate would be of whole arrays)."""
+    opt = q.optim.qsdp(optax.adam(1e-3), CFG)
+    mesh = q.make_mesh()
+    model = TinyGPT(nnx.Rngs(0))
+    real = qnnx.init_state(model, opt, mesh, CFG)
+    batch = {"tokens": jax.ShapeDtypeStruct((16, 8), jnp.int32), "targets": jax.ShapeDtypeStruct((16, 8), jnp.int32)}
+
+    def loss_fn(m, b):
+        return optax.softmax_cross_entropy_with_integer_labels(m(b["tokens"]), b["targets"]).mean()
+
+    step = qnnx.make_train_step(model, loss_fn, opt, mesh, CFG)
+    want = step.lower(real, batch).compile().memory_analysis()
+    for source in (model, nnx.eval_shape(lambda: TinyGPT(nnx.Rngs(0)))):
+        abstract = qnnx.abstract_state(source, opt, mesh, CFG)
+        pairs = zip(jax.tree.leaves(abstract), jax.tree.leaves(real), strict=True)
+        assert all((a.shape, a.dtype, a.sharding) == (r.shape, r.dtype, r.sharding) for a, r in pairs)
+        got = step.lower(abstract, batch).compile().memory_analysis()
+        assert (got.temp_size_in_bytes, got.argument_size_in_bytes) == (
+            want.temp_size_in_bytes,
+            want.argument_size_in_bytes,
+        )
+    lost = jax.eval_shape(lambda: qnnx.init_state(model, opt, mesh, CFG))
+    assert jax.tree.leaves(lost.params)[0].sharding is None  # why the helper exists

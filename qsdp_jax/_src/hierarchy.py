@@ -353,6 +353,24 @@ def gather_spec(config):
     return TwoLevelSpec.from_config(config)
 
 
+def check_auto_axes(mesh: Mesh) -> None:
+    """A clear error for a mesh with ``Explicit`` or ``Manual`` axes (``jax.make_mesh``'s default
+    since JAX 0.7 is ``Explicit``): the step places every array itself, on ``Auto`` axes, and
+    with explicit axes JAX refused its first call with a shard_map spec error about an array
+    the user never made."""
+    types = tuple(getattr(mesh, "axis_types", ()) or ())
+    if all(t == jax.sharding.AxisType.Auto for t in types):
+        return
+    shown = ", ".join(f"{a!r}: {t.name}" for a, t in zip(mesh.axis_names, types))
+    n = len(mesh.axis_names)
+    auto = "(AxisType.Auto,)" if n == 1 else f"(AxisType.Auto,) * {n}"
+    raise ValueError(
+        f"the mesh's axes are not all Auto ({shown}); qsdp_jax shards the state and the batch "
+        f"itself and needs Auto axes: build the mesh with jax.make_mesh(..., axis_types={auto}) "
+        "(from jax.sharding import AxisType), or with qsdp_jax.make_mesh(...)"
+    )
+
+
 def mesh_sizes(mesh, config) -> tuple[int, int]:
     """``(num_shards, num_devices)`` of ``mesh`` for ``config``, with clear errors when the
     mesh's axes and the config's (``config.mesh_axes``) do not match.
@@ -362,6 +380,7 @@ def mesh_sizes(mesh, config) -> tuple[int, int]:
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    check_auto_axes(mesh)
     known = config.mesh_axes
     missing = [a for a in known if a not in mesh.axis_names]
     if missing:

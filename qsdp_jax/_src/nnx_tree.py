@@ -105,11 +105,21 @@ class ModelDef:
         return best
 
 
+def key_impl(key):
+    """``jax.random.key_impl`` of a key array, or of an abstract one (``nnx.eval_shape``'s
+    ``ShapeDtypeStruct``, which ``key_impl`` refuses): read from a tracer of it."""
+    if not isinstance(key, jax.ShapeDtypeStruct):
+        return jax.random.key_impl(key)
+    found: list = []
+    jax.eval_shape(lambda k: found.append(jax.random.key_impl(k)), key)
+    return found[0]
+
+
 def _spec(path: Path, var: nnx.Variable) -> VarSpec:
     value = var.get_raw_value()
     impl = None
     if isinstance(var, nnx.RngKey):
-        impl = jax.random.key_impl(value)
+        impl = key_impl(value)
     return VarSpec(
         tuple(path),
         type(var),
