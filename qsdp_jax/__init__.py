@@ -24,17 +24,20 @@ from qsdp_jax.train import (
     make_train_step,
 )
 from qsdp_jax.watchdog import StepWatchdog
+from qsdp_jax._src.weighted_mean import LocalMeanWarning, WeightedMean
 
 __all__ = [
     "CheckpointDamaged",
     "CheckpointMismatch",
     "Checkpointer",
+    "LocalMeanWarning",
     "LocalParams",
     "ParamAccess",
     "ParamLayout",
     "QSDPConfig",
     "StepWatchdog",
     "TrainState",
+    "WeightedMean",
     "__version__",
     "abstract_train_state",
     "checkpoint",

@@ -209,7 +209,9 @@ def make_train_step(
     Args:
       model: the module (read for its structure; none of its arrays is used or donated).
       loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``): the
-        mean loss over the local batch.
+        mean loss over the local batch, or a :class:`qsdp_jax.WeightedMean` ``(total, weight)``
+        for a loss normalised by a count of its batch (real tokens of padded rows): the step
+        trains the global ratio, the one-device objective.
       optimizer: the optimizer the state was made with.
       mesh: the state's mesh.
       config: the run's config.
@@ -289,8 +291,9 @@ def make_eval_step(
       take_embeddings: as for :func:`make_train_step`.
 
     Returns:
-      A :class:`TrainStep` computing ``eval(state, batch) -> mean loss`` (global mean, a
-      replicated scalar); it never donates the state.
+      A :class:`TrainStep` computing ``eval(state, batch) -> mean loss`` (global mean, or the
+      global weighted mean of a ``WeightedMean``; a replicated scalar); it never donates the
+      state.
 
     Raises:
       TypeError: as for :func:`make_train_step`.

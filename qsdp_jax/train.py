@@ -231,7 +231,9 @@ def make_train_step(
 
     Args:
       loss_fn: ``loss_fn(p, batch)`` with ``p`` a ``ParamAccess``; returns the mean loss over the
-        local batch (or ``(loss, aux)`` with ``has_aux``).
+        local batch, or a :class:`~qsdp_jax.WeightedMean` ``(total, weight)`` for a loss
+        normalised by a count of its batch (the step trains the global ratio), or either as
+        ``(loss, aux)`` with ``has_aux``.
       optimizer: the optimizer the state was initialised with (``qsdp(...)``-wrapped in
         ``"qsdp"`` mode).
       mesh: the state's mesh.
@@ -243,7 +245,8 @@ def make_train_step(
 
     Returns:
       The step; it also has the jitted function's ``lower`` (e.g. for
-      ``qsdp_jax.comm.comm_report``). Metrics: ``loss`` (global mean), ``grad_norm`` (global,
+      ``qsdp_jax.comm.comm_report``). Metrics: ``loss`` (the mean of the devices' losses, or
+      the global weighted mean of a ``WeightedMean``), ``grad_norm`` (global,
       of the averaged gradient), ``nonfinite`` (1 when the update was skipped), ``step`` (the
       step taken).
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from qsdp_jax._src import weight_codes as wc
 from qsdp_jax import train
 from qsdp_jax._src.nnx_tree import ModelDef, state_mismatches
+from qsdp_jax._src.weighted_mean import WeightedMean, check_weighted
 
 INT_HINT = (
     "hold integer or boolean arrays in an nnx.Variable that is not an nnx.Param "
@@ -75,10 +76,14 @@ def split_loss(out, has_aux: bool):
         loss, aux = out, None
     if isinstance(out, tuple) and not has_aux:
         raise ValueError("loss_fn returned a tuple: return a scalar loss, or (loss, aux) with has_aux=True")
+    if isinstance(loss, WeightedMean):
+        check_weighted(loss)
+        return loss, aux
     floating = hasattr(loss, "dtype") and jnp.issubdtype(jnp.result_type(loss), jnp.floating)
     if not floating or jnp.shape(loss) != ():
         raise ValueError(
-            f"loss_fn must return a scalar floating loss (the mean over the local batch); got "
+            f"loss_fn must return a scalar floating loss (the mean over the local batch) or a "
+            f"qsdp_jax.WeightedMean; got "
             f"shape {jnp.shape(loss)} dtype {jnp.result_type(loss)}"
         )
     return loss, aux

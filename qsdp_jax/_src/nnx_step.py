@@ -45,7 +45,9 @@ class TrainStep:
 
     Args:
       model: the module (read for its structure in ``mode``).
-      loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``); the
+        loss a scalar (the mean over the local batch) or a :class:`~qsdp_jax.WeightedMean` for
+        a loss normalised by a count of its batch, e.g. real tokens (the global ratio trains).
       optimizer: the optimizer the state was made with (None for an eval step).
       mesh: the state's mesh.
       config: the run's config.

@@ -21,6 +21,7 @@ from qsdp_jax.layout import ParamLayout
 from qsdp_jax._src import weight_codes as wc
 from qsdp_jax._src.hierarchy import device_mean
 from qsdp_jax._src.sharded_access import ShardedParams
+from qsdp_jax._src.weighted_mean import device_objective, global_loss, warn_if_masked
 
 
 def grid_for_step(opt_state, config: QSDPConfig):
@@ -71,12 +72,13 @@ def _reader(layout: ParamLayout, config: QSDPConfig, step, grid, codes) -> Calla
 
 
 def local_loss(loss_fn: Callable, layout: ParamLayout, config: QSDPConfig):
-    """The per-device body of the eval step: the loss averaged over the devices."""
+    """The per-device body of the eval step: the loss averaged over the devices (a
+    :class:`~qsdp_jax._src.weighted_mean.WeightedMean`: its global weighted mean)."""
 
     def local(step, stored, grid, batch):
         params, codes = wc.anchors(stored, layout, config)
         loss = loss_fn(_reader(layout, config, step, grid, codes)(params), batch)
-        return lax.pmean(loss, config.batch_axes)
+        return global_loss(loss, config.batch_axes)
 
     return local
 
@@ -84,7 +86,8 @@ def local_loss(loss_fn: Callable, layout: ParamLayout, config: QSDPConfig):
 def local_grads(loss_fn: Callable, layout: ParamLayout, config: QSDPConfig, has_aux: bool, n_dev: int):
     """The per-device body of the train step: ``(grads of this device's blocks, mean loss,
     aux)``; a sharded leaf's gradient averaged over the devices (the reduce-scatter sums),
-    a replicated one's mean taken (:func:`hierarchy.device_mean`)."""
+    a replicated one's mean taken (:func:`hierarchy.device_mean`). A ``WeightedMean`` loss is
+    made global first (:func:`weighted_mean.device_objective`)."""
 
     def local(step, stored, grid, batch):
         params, codes = wc.anchors(stored, layout, config)
@@ -92,7 +95,9 @@ def local_grads(loss_fn: Callable, layout: ParamLayout, config: QSDPConfig, has_
 
         def objective(p):
             out = loss_fn(access(p), batch)
-            return out if has_aux else (out, None)
+            loss, aux = out if has_aux else (out, None)
+            warn_if_masked(loss, batch)
+            return device_objective(loss, config.batch_axes, n_dev), aux
 
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
         leaves, treedef = jax.tree_util.tree_flatten(grads)
