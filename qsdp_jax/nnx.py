@@ -199,6 +199,7 @@ def make_train_step(
     mode: str | None = "train",
     reshard_after_forward: bool = True,
     take_embeddings: bool = False,
+    rngs: nnx.Rngs | None = None,
 ) -> TrainStep:
     """The sharded train step of ``loss_fn(model, batch)`` (see the module docstring).
 
@@ -238,6 +239,11 @@ def make_train_step(
         the lookup and a tied table is gathered for its ``attend`` alone. The rows travel in
         float32, each device's rows to every device: worth it for a large vocabulary on few
         devices (GPT-2's at 8 devices), not for a small one.
+      rngs: RNG streams for the call, NNX's style for dropout built without rngs
+        (``model(x, rngs=rngs)``): the step calls ``loss_fn(model, batch, rngs=...)`` with an
+        ``nnx.Rngs`` of these streams, every key folded with the step and the device (fresh
+        masks each step and device; a resumed run draws the same). None (the default): the
+        step calls ``loss_fn(model, batch)``; streams the module holds are folded the same way.
 
     Returns:
       The :class:`TrainStep`; metrics as ``qsdp_jax.make_train_step``.
@@ -261,6 +267,7 @@ def make_train_step(
         mode=mode,
         reshard_after_forward=reshard_after_forward,
         take_embeddings=take_embeddings,
+        rngs=rngs,
     )
 
 
@@ -273,6 +280,7 @@ def make_eval_step(
     stacked: Sequence[str] | None = None,
     mode: str | None = "eval",
     take_embeddings: bool = False,
+    rngs: nnx.Rngs | None = None,
 ) -> TrainStep:
     """A jitted ``eval(state, batch) -> mean loss`` with the training gathers; the model state
     is read, not updated.
@@ -289,6 +297,7 @@ def make_eval_step(
       stacked: as for :func:`init_state`.
       mode: ``"eval"`` (the default), ``"train"`` or ``None`` (as for :func:`make_train_step`).
       take_embeddings: as for :func:`make_train_step`.
+      rngs: as for :func:`make_train_step` (for a ``loss_fn`` that takes ``rngs``).
 
     Returns:
       A :class:`TrainStep` computing ``eval(state, batch) -> mean loss`` (global mean, or the
@@ -312,4 +321,5 @@ def make_eval_step(
         mode=mode,
         evaluate=True,
         take_embeddings=take_embeddings,
+        rngs=rngs,
     )

@@ -8,6 +8,7 @@ import dataclasses
 import warnings
 from typing import Any
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -15,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from qsdp_jax import train
 from qsdp_jax._src import guards
 from qsdp_jax._src.hierarchy import mesh_sizes
+from qsdp_jax._src.nnx_call_rngs import CallRngs, closure_error
 from qsdp_jax._src.nnx_checks import check_fits, split_loss, state_label, warn_mode
 from qsdp_jax._src.nnx_closure import stand_in
 from qsdp_jax._src.nnx_reshard import can_reshard_any
@@ -83,6 +85,7 @@ class TrainStep:
         evaluate=False,
         reshard_after_forward=True,
         take_embeddings=False,
+        rngs=None,
     ):
         check_config(config)
         if not callable(loss_fn):
@@ -98,6 +101,7 @@ class TrainStep:
         # reshard only where it can apply: a train step with a group called as a module
         self.reshard = reshard_after_forward and not evaluate and can_reshard_any(graph, self.mdef)
         self.take_embeddings = take_embeddings
+        self.rngs = None if rngs is None else CallRngs(rngs)  # passed to loss_fn as rngs=
         self.record: dict[str, str] = {}
         self._jitted = jax.jit(self._step, donate_argnums=(0,) if donate and not evaluate else ())
 
@@ -162,7 +166,11 @@ class TrainStep:
         ctx = StepContext(access, self.mdef, self.config.batch_axes, record, self.reshard, held, self.take_embeddings)
         with ctx.active(), stand_in(self.model):
             module = ctx.build(extra["state"], extra["step"])
-            out = self.loss_fn(module, batch)
+            kwargs = {} if self.rngs is None else {"rngs": self.rngs.for_step(extra["step"], self.config.batch_axes)}
+            try:
+                out = self.loss_fn(module, batch, **kwargs)
+            except flax.errors.TraceContextError as e:
+                raise closure_error(e) from e
         loss, aux = split_loss(out, self.has_aux)
         return loss, {"aux": aux, "state": ctx.read_state(module, extra["state"])}
 
