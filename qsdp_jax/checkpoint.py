@@ -238,7 +238,10 @@ class Checkpointer:
         # or delete the state as soon as this returns; the files are written in the background.
         host = {k: np.asarray(v.addressable_data(0)) for k, v in arrays.items()}
         meta["checksums"] = safety.checksums(host)
-        stored = to_item(state.params, host, names)
+        # an NNX state (it carries model_state) stores its params as the module nests them
+        stored, module_paths = to_item(state.params, host, names, by_module=state.model_state is not None)
+        if module_paths:
+            meta["module_paths"] = module_paths
         saved = self._manager.save(
             step,
             args=ocp.args.Composite(arrays=ocp.args.PyTreeSave(stored), meta=ocp.args.JsonSave(meta)),

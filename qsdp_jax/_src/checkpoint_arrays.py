@@ -35,24 +35,53 @@ def leaf_names(keys) -> dict[str, str]:
     return {k: f"leaf_{i:04d}" for i, k in enumerate(keys) if not is_param(k)}
 
 
-def to_item(params, host: dict[str, np.ndarray], names: dict[str, str]) -> dict:
+def to_item(params, host: dict[str, np.ndarray], names: dict[str, str], by_module: bool = False) -> tuple[dict, dict]:
     """The ``arrays`` item of host arrays ``{leaf path: array}``: ``params`` (the state's params
     pytree) rebuilt of the host copies, the other leaves under their ``names`` (zero-size ones
-    left out)."""
-    stored_params = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(params),
-        [host[".params" + jax.tree_util.keystr(p)] for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]],
-    )
-    return {"params": stored_params, "state": {names[k]: v for k, v in host.items() if k in names and v.size}}
+    left out); and ``{stored path: leaf path}`` of the params when ``by_module``, else ``{}``.
+
+    ``by_module`` (an NNX state, whose groups are named by module path: ``"trunk/layers/0"``):
+    the params are stored as the module's own nested dict (``{"trunk": {"layers": {"0": ...}}}``,
+    what ``nnx.to_pure_dict`` gives, keys as strings), so that a plain orbax restore of the item
+    goes into the module with ``nnx.replace_by_pure_dict`` (after ``nnx.restore_int_paths``).
+    """
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    where: dict[str, str] = {}
+    if by_module:
+        stored_params: dict = {}
+        for p, _ in flat:
+            keys = [*_key(p[0]).split("/"), *map(_key, p[1:])]
+            node = stored_params
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = host[".params" + jax.tree_util.keystr(p)]
+            where["/".join(keys)] = ".params" + jax.tree_util.keystr(p)
+    else:
+        stored_params = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(params), [host[".params" + jax.tree_util.keystr(p)] for p, _ in flat]
+        )
+    state = {names[k]: v for k, v in host.items() if k in names and v.size}
+    return {"params": stored_params, "state": state}, where
+
+
+def _key(k) -> str:
+    """A key-path entry as a string (dict key, sequence index or attribute name)."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
 
 
 def from_item(got: dict, meta: dict) -> dict[str, np.ndarray]:
     """``{leaf path: numpy array}`` of every leaf the record ``meta`` lists, from the restored
-    ``arrays`` item ``got`` (zero-size leaves rebuilt from their recorded shape and dtype)."""
-    params = {
-        ".params" + jax.tree_util.keystr(p): np.asarray(x)
-        for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]
-    }
+    ``arrays`` item ``got`` (zero-size leaves rebuilt from their recorded shape and dtype; params
+    stored by module path mapped back through ``meta["module_paths"]``)."""
+    by_module = meta.get("module_paths")
+    flat = jax.tree_util.tree_flatten_with_path(got["params"])[0]
+    if by_module:
+        params = {by_module["/".join(map(_key, p))]: np.asarray(x) for p, x in flat}
+    else:
+        params = {".params" + jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}
     state = got.get("state", {})
     out = {}
     for k, (shape, dtype) in meta["leaves"].items():
