@@ -31,6 +31,7 @@ from flax import nnx
 from jax import lax
 
 from qsdp_jax._src import nnx_take
+from qsdp_jax._src.nnx_annotations import ignore_out_sharding
 from qsdp_jax._src.nnx_active import _ACTIVE, current, non_params, params_untouched
 from qsdp_jax._src.nnx_reshard import can_reshard, resharding_class
 from qsdp_jax._src.nnx_tree import Group, ModelDef, path_str, submodule
@@ -133,6 +134,8 @@ class StepContext:
         self.base_trace = _current_trace()
         if self.take:
             self.taken = nnx_take.install(module, self.mdef)
+        # after take's classes (their calls take out_sharding too), before resharding's
+        ignore_out_sharding(module)  # the step lays arrays out itself (nnx_annotations)
         for g in self.mdef.groups:
             node = submodule(module, g.path)
             if g.stacked:

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from qsdp_jax import train
 from qsdp_jax._src import guards
 from qsdp_jax._src.hierarchy import mesh_sizes
+from qsdp_jax._src.nnx_annotations import explain_manual_error, is_manual_error
 from qsdp_jax._src.nnx_call_rngs import CallRngs, closure_error
 from qsdp_jax._src.nnx_checks import check_fits, split_loss, state_label, warn_mode
 from qsdp_jax._src.nnx_closure import stand_in
@@ -171,6 +172,10 @@ class TrainStep:
                 out = self.loss_fn(module, batch, **kwargs)
             except flax.errors.TraceContextError as e:
                 raise closure_error(e) from e
+            except (NotImplementedError, ValueError) as e:
+                if not is_manual_error(e):
+                    raise
+                raise explain_manual_error(e) from e
         loss, aux = split_loss(out, self.has_aux)
         return loss, {"aux": aux, "state": ctx.read_state(module, extra["state"])}
 
