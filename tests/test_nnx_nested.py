@@ -120,7 +120,7 @@ class ListTrunk(nnx.Module):
 
 
 class NestedList(nnx.Module):
-    def __init__(self, rngs, d=64, n_layers=4):
+    def __init__(self, rngs, d=64, n_layers=3):
         self.inp = nnx.Linear(4, d, rngs=rngs)
         self.trunk = ListTrunk(rngs, d, n_layers)
         self.out = nnx.Linear(d, 1, rngs=rngs)
@@ -132,7 +132,7 @@ class NestedList(nnx.Module):
 class TopList(nnx.Module):
     """The same blocks as NestedList, in a top-level nnx.List (same parameters, same order)."""
 
-    def __init__(self, rngs, d=64, n_layers=4):
+    def __init__(self, rngs, d=64, n_layers=3):
         self.inp = nnx.Linear(4, d, rngs=rngs)
         self.layers = nnx.List([Block(d, rngs) for _ in range(n_layers)])
         self.norm = nnx.LayerNorm(d, rngs=rngs)
@@ -151,9 +151,9 @@ def test_a_nested_list_of_blocks_is_gathered_per_block_like_a_top_level_list(mes
     payload), a peak within 10% of the top-level list's (XLA:CPU), and one device's losses."""
     groups = _groups(NestedList(nnx.Rngs(0)))
     assert groups == {"inp": (False, 0), "out": (False, 0), "trunk": (False, 0)} | {
-        f"trunk/layers/{i}": (False, 0) for i in range(4)
+        f"trunk/layers/{i}": (False, 0) for i in range(3)
     }
-    batches = [_stacked_batch(i) for i in range(3)]
+    batches = [_stacked_batch(i) for i in range(2)]
     runs = {}
     for make in (NestedList, TopList):
         losses, state, _, compiled = _sharded(make(nnx.Rngs(0)), mse, batches, mesh, CFG, 1e-2)
