@@ -62,7 +62,7 @@ from qsdp_jax._src import guards
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.nnx_scan import scan  # noqa: F401  (re-exported: qsdp_jax.nnx.scan)
 from qsdp_jax._src.nnx_step import TrainStep
-from qsdp_jax._src.nnx_tree import ModelDef, describe, group_params, model_state, set_model_state, set_params  # noqa: F401
+from qsdp_jax._src.nnx_tree import ModelDef, describe, group_params, model_state, path_str, set_model_state, set_params  # noqa: F401
 from qsdp_jax._src.nnx_checks import INT_HINT, check_fits, param_label, state_label
 
 PyTree = Any
@@ -158,7 +158,7 @@ def abstract_state(
         if isinstance(var, nnx.RngKey):
             value = jax.eval_shape(jax.random.key_data, value)
         shape, dtype = jnp.shape(value), getattr(value, "dtype", None) or jnp.result_type(value)
-        others["/".join(str(k) for k in path)] = jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+        others[path_str(path)] = jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
     return dataclasses.replace(state, model_state=others)
 
 

@@ -140,13 +140,15 @@ def short_error(e: BaseException, limit: int = 300) -> str:
 
 
 _DAMAGED: set[str] = set()  # step directories whose arrays failed to read in this process
+_READ = {"any": False}  # whether this process has read a checkpoint's arrays
 
 
 def _closed_loop_report(report) -> bool:
     """One of the reports tensorstore makes when a read finishes after orbax closed the event
     loop it was awaited in (orbax closes it as soon as one read of a damaged step fails)."""
     return (
-        report.object is None
+        _READ["any"]  # only once this process has read a checkpoint
+        and report.object is None
         and isinstance(report.exc_value, RuntimeError)
         and str(report.exc_value) == "Event loop is closed"
     )
@@ -168,6 +170,7 @@ def quiet_late_reads(damaged: str | None = None) -> None:
     (a traceback each, up to 42 for one step) and asyncio's never-retrieved errors naming
     ``damaged`` (a step directory, remembered). Every other unraisable exception goes to the
     hook there was, every other log record through. The hooks are installed once."""
+    _READ["any"] = True
     if damaged is not None:
         _DAMAGED.add(damaged)
     previous = sys.unraisablehook

@@ -36,9 +36,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qsdp_jax._src.nnx_stacks import CONTAINERS, declared_evidence, layer_count, nested_candidates, nested_entries
-from qsdp_jax._src.nnx_stacks import nested_stacks
-from qsdp_jax._src.nnx_stacks import node_at, under
+from qsdp_jax._src.nnx_stacks import (
+    CONTAINERS,
+    declared_evidence,
+    layer_count,
+    nested_candidates,
+    nested_entries,
+    nested_stacks,
+    node_at,
+    under,
+)
 
 PyTree = Any
 Path = tuple
