@@ -14,7 +14,7 @@ from jax.sharding import AxisType
 
 import qsdp_jax as q
 from qsdp_jax import nnx as qnnx
-from tests.gemma_like import GemmaLike, loss_fn, padded_batch
+from experiments.gpt.gemma_like import GemmaLike, loss_fn, padded_batch
 
 STEPS = 20
 

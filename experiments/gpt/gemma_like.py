@@ -3,7 +3,8 @@ one (our code, not theirs): blocks in an ``nnx.List`` alternating local (sliding
 global attention, RoPE, grouped-query attention, RMSNorm, a gated MLP, a tied embedding read back
 through ``attend``, dropout built without rngs and given its keys in ``__call__``, partitioned
 parameters and ``out_sharding`` on every call, and the loss of a padded batch normalised by its
-real tokens (``q.WeightedMean``). Used by tests/test_gemma_like.py."""
+real tokens (``q.WeightedMean``). Used by tests/test_gemma_like.py and, at Gemma-3-270M's shapes
+(``GEMMA3_270M``), by ``experiments.bench.compile_nnx``."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def rope(x, base: float = 10_000.0):
 
 
 class Attention(nnx.Module):
-    def __init__(self, d, heads, kv_heads, window, dropout, rngs):
-        self.heads, self.kv_heads, self.hd, self.window = heads, kv_heads, d // heads, window
+    def __init__(self, d, heads, kv_heads, window, dropout, rngs, head_dim=None):
+        self.heads, self.kv_heads, self.hd, self.window = heads, kv_heads, head_dim or d // heads, window
         k_init = nnx.initializers.lecun_normal()
         self.q = nnx.Linear(d, heads * self.hd, use_bias=False, kernel_init=_part(k_init, ("fsdp", None)), rngs=rngs)
         self.kv = nnx.Linear(
@@ -59,14 +60,15 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, d, heads, kv_heads, window, dropout, rngs):
+    def __init__(self, d, heads, kv_heads, window, dropout, rngs, hidden=None, head_dim=None):
+        hidden = hidden or 2 * d
         self.pre_attn = nnx.RMSNorm(d, rngs=rngs)
-        self.attn = Attention(d, heads, kv_heads, window, dropout, rngs)
+        self.attn = Attention(d, heads, kv_heads, window, dropout, rngs, head_dim)
         self.pre_mlp = nnx.RMSNorm(d, rngs=rngs)
         k_init = nnx.initializers.lecun_normal()
-        self.gate = nnx.Linear(d, 2 * d, use_bias=False, kernel_init=_part(k_init, ("fsdp", None)), rngs=rngs)
-        self.up = nnx.Linear(d, 2 * d, use_bias=False, kernel_init=_part(k_init, ("fsdp", None)), rngs=rngs)
-        self.down = nnx.Linear(2 * d, d, use_bias=False, kernel_init=_part(k_init, (None, "fsdp")), rngs=rngs)
+        self.gate = nnx.Linear(d, hidden, use_bias=False, kernel_init=_part(k_init, ("fsdp", None)), rngs=rngs)
+        self.up = nnx.Linear(d, hidden, use_bias=False, kernel_init=_part(k_init, ("fsdp", None)), rngs=rngs)
+        self.down = nnx.Linear(hidden, d, use_bias=False, kernel_init=_part(k_init, (None, "fsdp")), rngs=rngs)
         self.drop = nnx.Dropout(dropout)
 
     def __call__(self, x, rngs):
@@ -78,12 +80,25 @@ class Block(nnx.Module):
 
 class GemmaLike(nnx.Module):
     def __init__(
-        self, rngs, vocab=64, d=32, heads=4, kv_heads=2, layers=("local", "global", "local"), window=4, dropout=0.0
+        self,
+        rngs,
+        vocab=64,
+        d=32,
+        heads=4,
+        kv_heads=2,
+        layers=("local", "global", "local"),
+        window=4,
+        dropout=0.0,
+        hidden=None,
+        head_dim=None,
     ):
         embed_init = _part(nnx.initializers.normal(0.5), ("fsdp", None))
         self.embed = nnx.Embed(vocab, d, embedding_init=embed_init, rngs=rngs)
         self.blocks = nnx.List(
-            [Block(d, heads, kv_heads, window if kind == "local" else None, dropout, rngs) for kind in layers]
+            [
+                Block(d, heads, kv_heads, window if kind == "local" else None, dropout, rngs, hidden, head_dim)
+                for kind in layers
+            ]
         )
         self.final_norm = nnx.RMSNorm(d, rngs=rngs)
         self.scale = d**0.5
@@ -93,6 +108,14 @@ class GemmaLike(nnx.Module):
         for block in self.blocks:
             x = block(x, rngs)
         return self.embed.attend(self.final_norm(x), out_sharding=ACT)  # tied: the table again
+
+
+# Gemma 3 270M's shapes (its model card's config): 18 layers, five local (window 512) to one
+# global, d 640, 4 query heads of 256 over 1 key/value head, MLP 2048, a 262144-token vocabulary.
+GEMMA3_270M = dict(
+    vocab=262144, d=640, heads=4, kv_heads=1, head_dim=256, hidden=2048, window=512,
+    layers=(("local",) * 5 + ("global",)) * 3,
+)  # fmt: skip
 
 
 def loss_fn(model, batch, rngs=None):
