@@ -21,3 +21,8 @@ def loop(requests: dict[str, int], steps: int = 12) -> dict:
         if why is not None:
             return {"process_index": me, "stopped_after": step, "why": why}
     return {"process_index": me, "stopped_after": None, "why": None}
+
+
+def loops(scenarios: list[dict[str, int]], steps: int = 12) -> dict:
+    """:func:`loop` for each of ``scenarios`` in turn (one vote each, as one training loop each)."""
+    return {"process_index": jax.process_index(), "runs": [loop(r, steps) for r in scenarios]}

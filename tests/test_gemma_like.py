@@ -71,5 +71,5 @@ def test_w8g8_with_dropout_trains():
     with jax.set_mesh(jax.make_mesh((8,), ("fsdp",))):
         model = GemmaLike(nnx.Rngs(0), dropout=0.1)
     batches = [padded_batch(i) for i in range(STEPS)]
-    losses = _ours(model, batches, mesh, q.QSDPConfig.qsdp(8, 8, bucket_size=64, min_shard_size=64))
+    losses = _ours(model, batches[:10], mesh, q.QSDPConfig.qsdp(8, 8, bucket_size=64, min_shard_size=64))
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
