@@ -104,21 +104,26 @@ def _qsdp_lowered(kwargs: dict, explicit, mesh, scheme: str, batch):
     return step.lower(state, batch)
 
 
-def measure(model: str, scheme: str, devices: int) -> dict:
-    """Compile seconds (lowering and compiling, timed apart) and peak bytes of one step."""
+def measure(model: str, scheme: str, devices: int, target: str | None = None) -> dict:
+    """Compile seconds (lowering and compiling, timed apart) and peak bytes of one step, for
+    this host's CPU devices or the compile-only devices of ``target`` (a name of
+    ``experiments.shelf.targets.TARGETS``: XLA:TPU or XLA:GPU, ahead of time)."""
     import jax
-    from jax.sharding import AxisType
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
 
     import qsdp_jax as q
+    from experiments.shelf import targets  # imports jax: after simulate_cpu_devices
 
+    devs = jax.devices()[:devices] if target is None else targets.devices(targets.TARGETS[target])
     kwargs = _model_kwargs(model)
-    explicit = jax.make_mesh((devices,), ("fsdp",), axis_types=(AxisType.Explicit,))
-    batch = _batch(devices, MODELS[model]["seq"])
+    explicit = Mesh(np.array(devs), ("fsdp",), axis_types=(AxisType.Explicit,))
+    batch = _batch(len(devs), MODELS[model]["seq"])
     t0 = time.perf_counter()
     if scheme == "gspmd":
         lowered = _gspmd_lowered(kwargs, explicit, batch)
     else:
-        lowered = _qsdp_lowered(kwargs, explicit, q.make_mesh(), scheme, batch)
+        lowered = _qsdp_lowered(kwargs, explicit, q.make_mesh(devices=devs), scheme, batch)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -127,8 +132,9 @@ def measure(model: str, scheme: str, devices: int) -> dict:
     return {
         "model": model,
         "scheme": scheme,
-        "devices": devices,
-        "compiler": "XLA:CPU",
+        "devices": len(devs),
+        "target": target or "cpu",
+        "compiler": "XLA:CPU" if target is None else f"XLA:{targets.TARGETS[target].kind.upper()}",
         "lower_s": t1 - t0,
         "compile_s": t2 - t1,
         "peak_bytes": int(peak),
@@ -137,15 +143,17 @@ def measure(model: str, scheme: str, devices: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| model | step | lower s | compile s | compile vs GSPMD | peak MB (XLA:CPU) |",
-        "|---|---|---|---|---|---|",
+        "| model | target (compiler) | step | lower s | compile s | compile vs GSPMD | peak MB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        base = next((b for b in rows if b["model"] == r["model"] and b["scheme"] == "gspmd"), None)
+        where = r.get("target", "cpu")
+        key = (r["model"], where, "gspmd")
+        base = next((b for b in rows if (b["model"], b.get("target", "cpu"), b["scheme"]) == key), None)
         ratio = f"{r['compile_s'] / base['compile_s']:.2f}x" if base else "-"
         lines.append(
-            f"| {r['model']} | {r['scheme']} | {r['lower_s']:.1f} | {r['compile_s']:.1f} | {ratio} | "
-            f"{r['peak_bytes'] / 1e6:.1f} |"
+            f"| {r['model']} | {where} ({r['compiler']}) | {r['scheme']} | {r['lower_s']:.1f} | "
+            f"{r['compile_s']:.1f} | {ratio} | {r['peak_bytes'] / 1e6:.1f} |"
         )
     return "\n".join(lines)
 
@@ -154,19 +162,27 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench.compile_nnx", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), default="gemma3-270m")
     p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
-    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (without --target)")
+    p.add_argument("--target", default=None, help="compile for this target instead (e.g. v5p-8, h100-8)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--fresh", action="store_true", help="start the JSON over instead of resuming it")
     args = p.parse_args(argv)
     if args.devices < 1:
         p.error(f"--devices {args.devices}: must be >= 1")
+    from experiments.shelf.targets import TARGETS  # no jax at its top
+
+    if args.target is not None and args.target not in TARGETS:
+        p.error(f"--target {args.target!r}: not one of {', '.join(sorted(TARGETS))}")
     simulate_cpu_devices(args.devices)
     record = {"rows": []} if args.fresh or not args.out.exists() else json.loads(args.out.read_text())
     record["command"] = "python -m experiments.bench.compile_nnx " + " ".join(argv or sys.argv[1:])
+    where = args.target or "cpu"
     for scheme in args.steps:
-        if any(r["model"] == args.model and r["scheme"] == scheme for r in record["rows"]):
+        if any(
+            (r["model"], r.get("target", "cpu"), r["scheme"]) == (args.model, where, scheme) for r in record["rows"]
+        ):
             continue  # measured already (resume)
-        row = measure(args.model, scheme, args.devices)
+        row = measure(args.model, scheme, args.devices, args.target)
         print(f"  {args.model} {scheme}: compile {row['compile_s']:.1f} s", file=sys.stderr, flush=True)
         record["rows"].append(row)
         record["table"] = table(record["rows"])

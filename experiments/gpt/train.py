@@ -137,7 +137,7 @@ def train_loop(
     log = MetricsLog(out / "metrics.jsonl", start, write=write_metrics)  # process 0 writes
     history = [StepLog(**r) for r in log.rows]
     dog = _watchdog(trainer, ckpts, failure_timeout) if failure_timeout is not None else None
-    vote, why, skipped = StopVote(), None, 0  # every process stops after the same step
+    vote, why, signame, skipped = StopVote(), None, None, 0  # every process stops after one step
     with StopSignals() as stop, dog or contextlib.nullcontext():
         try:
             steps = trainer.steps()
@@ -158,7 +158,9 @@ def train_loop(
                 if ckpts is not None:
                     ckpts.save(trainer)
                 skipped = skipped + 1 if entry.nonfinite else 0
-                why = vote.check(entry.step, stop.received) or _all_skipped(skipped, max_skipped)
+                why = vote.check(entry.step, stop.received)
+                signame = vote.decision.reason if why is not None and vote.decision is not None else None
+                why = why or _all_skipped(skipped, max_skipped)
                 if why is not None:
                     break
         except BaseException:
@@ -176,7 +178,7 @@ def train_loop(
             ckpts.finish(trainer)
     finish_peers()  # the collectives are over: this process may exit before the others
     if why is not None:
-        raise _stopped(why, int(trainer.state.step), trainer.run.steps, ckpts)
+        raise _stopped(why, signame, int(trainer.state.step), trainer.run.steps, ckpts)
     return history
 
 
@@ -190,17 +192,16 @@ def _all_skipped(skipped: int, max_skipped: int) -> str | None:
     )
 
 
-def _stopped(why: str, step: int, steps: int, ckpts: RunCheckpoints | None) -> Stopped:
-    """The Stopped of a run that ends early: 128 + the signal for a stop signal, else 1."""
+def _stopped(why: str, signame: str | None, step: int, steps: int, ckpts: RunCheckpoints | None) -> Stopped:
+    """The Stopped of a run that ends early: 128 + the signal ``signame`` (the vote's), else 1."""
     where = (
         f"saved checkpoint {ckpts.directory}/{step}; continue with --resume"
         if ckpts is not None
         else "no --checkpoint-dir: the weights are not saved"
     )
-    signum = getattr(signal.Signals, why.split()[0], None)
-    if signum is None:
+    if signame is None:
         return Stopped(f"stopped at step {step}/{steps}: {why}; {where}", 1)
-    return Stopped(f"{why} at step {step}/{steps}: {where}", 128 + int(signum))
+    return Stopped(f"{why} at step {step}/{steps}: {where}", 128 + int(signal.Signals[signame]))
 
 
 def run_cli(args, *, print_summary: bool = True):
