@@ -10,9 +10,11 @@ Usage::
 
 **What is stored.** The state's leaves are ordinary global arrays of the model's shapes
 (``qsdp_jax.layout``), so they are stored as they are: the ``arrays`` item holds
-``{"params": <the params dict>, "state": {leaf path: array}}`` (every other leaf: the step, the
-optimizer state, the model state). A plain orbax restore of ``arrays`` gives the params pytree as
-unsharded numpy arrays. Zero-size arrays (orbax refuses them) are stored as their shape and dtype
+``{"params": <the params dict>, "state": {leaf name: array}}`` (every other leaf: the step, the
+optimizer state), and for an NNX state every leaf nested as the module and ``nnx.Optimizer``
+nest them (``{"params": {"trunk": {"layers": {"0": ...}}}, "opt_state": {"0": {"mu": ...}},
+"step": ..., "qsdp": ..., "model_state": ...}``). A plain orbax restore of ``arrays`` gives them
+as unsharded numpy arrays. Zero-size arrays (orbax refuses them) are stored as their shape and dtype
 only (:mod:`qsdp_jax._src.checkpoint_arrays`). Beside the arrays, a JSON record of what defines the checkpoint: the QSDPConfig, the
 layout (groups, leaves, shapes, dtypes), the geometry of each weight grid, every leaf's shape,
 the mesh shape, the library version, the step, the caller's ``identity`` (what must match) and
@@ -232,16 +234,16 @@ class Checkpointer:
             extra=jsonable(extra or {}),
             leaves={k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
         )
-        names = leaf_names(arrays)
+        by_module = state.model_state is not None  # an NNX state: stored as the module nests it
+        names = {} if by_module else leaf_names(arrays)
         meta["names"] = names
         # Host copies now (each process holds the full replicated array): the caller may donate
         # or delete the state as soon as this returns; the files are written in the background.
         host = {k: np.asarray(v.addressable_data(0)) for k, v in arrays.items()}
         meta["checksums"] = safety.checksums(host)
-        # an NNX state (it carries model_state) stores its params as the module nests them
-        stored, module_paths = to_item(state.params, host, names, by_module=state.model_state is not None)
-        if module_paths:
-            meta["module_paths"] = module_paths
+        stored, stored_paths = to_item(state, host, names, by_module=by_module)
+        if stored_paths:
+            meta["stored_paths"] = stored_paths
         saved = self._manager.save(
             step,
             args=ocp.args.Composite(arrays=ocp.args.PyTreeSave(stored), meta=ocp.args.JsonSave(meta)),

@@ -1,8 +1,11 @@
 """The NNX front door's ``take_embeddings``: ``nnx.Embed`` lookups read rows from the devices'
-blocks, the same step bit for bit as the ParamAccess GPT with ``embed_lookup="take"``, and no
-whole table for an untied model's lookups."""
+blocks, the same step bit for bit as the ParamAccess GPT with ``embed_lookup="take"``, no
+whole table for an untied model's lookups, and a tied table read by ``attend`` gathered at the
+head only."""
 
 import dataclasses
+import math
+import re
 
 import chex
 import jax
@@ -12,6 +15,7 @@ import pytest
 from flax import nnx
 
 import qsdp_jax as q
+from experiments.gpt.gemma_like import GemmaLike, loss_fn
 from experiments.gpt.model import GPT, GPTConfig
 from experiments.gpt.model_nnx import GPTListModel, GPTModel, gpt_loss
 from qsdp_jax import nnx as qnnx
@@ -77,6 +81,41 @@ def test_untied_lookups_never_gather_the_table():
     assert "f32[1024,32]" not in compiled.as_text()
     plain = _front_door(cfg, config, cls=GPTListModel, take=False)[3]
     assert "f32[1024,32]" in plain.as_text()
+
+
+def _gather_sizes(hlo: str) -> list[int]:
+    """Element counts of the scheduled entry computation's all-gathers, in schedule order."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    return [math.prod(map(int, d.split(","))) for d in re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", entry)]
+
+
+@pytest.mark.parametrize("take", [True, False], ids=["take", "read"])
+def test_a_tied_table_read_by_attend_is_gathered_at_the_head(take):
+    """A list of resharded blocks between a tied lookup and its ``attend``: with the lookup
+    taking rows, the table's one gather comes after every block's forward gather but the last
+    block's (it waits for the last call's inputs), so no whole table is held across the blocks;
+    a lookup that reads the table gathers it before the first block."""
+    vocab, d, layers = 4096, 64, ("local", "global") * 2
+    with jax.set_mesh(jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))):
+        model = nnx.eval_shape(lambda: GemmaLike(nnx.Rngs(0), vocab=vocab, d=d, layers=layers))
+    config = q.QSDPConfig.fp32(**SMALL)
+    opt = q.optim.qsdp(optax.adam(1e-3), config)
+    state = qnnx.abstract_state(model, opt, q.make_mesh(), config)
+    step = qnnx.make_train_step(model, loss_fn, opt, q.make_mesh(), config, take_embeddings=take)
+    batch = {k: jax.ShapeDtypeStruct((8, 32), dt) for k, dt in (("inputs", jnp.int32), ("targets", jnp.int32))}
+    batch["input_mask"] = jax.ShapeDtypeStruct((8, 32), jnp.bool_)
+    sizes = _gather_sizes(step.lower(state, batch).compile().as_text())
+    block = {
+        x.size for x in jax.tree.leaves(nnx.state(model.blocks[0], nnx.Param)) if x.size >= SMALL["min_shard_size"]
+    }
+    assert sizes.count(vocab * d) == 1, sizes  # the table once (the lookup takes rows or reads it)
+    at = sizes.index(vocab * d)
+    before = sum(n in block for n in sizes[:at])
+    forward = sum(n in block for n in sizes) // 2  # each block gathered in the forward and again in the backward
+    if take:
+        assert before >= forward - forward // len(layers), (before, forward, sizes)
+    else:
+        assert before <= forward // len(layers), (before, forward, sizes)
 
 
 class _Tok(nnx.Module):

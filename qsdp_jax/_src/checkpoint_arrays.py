@@ -1,10 +1,19 @@
 """The ``arrays`` item of a checkpoint: how a state's leaves are stored in orbax and read back.
 
-The item is ``{"params": <the params dict>, "state": {leaf name: array}}``: the params pytree as
-it is (a plain orbax restore of ``arrays`` gives it as unsharded numpy arrays), every other leaf
-of the state (the step, the optimizer state, the model state) under a name ``leaf_0000``...
-that the checkpoint's record maps to the leaf's path (``meta["names"]``). Zero-size arrays
-(orbax refuses them) are not stored: the record's shape and dtype rebuild them.
+Two layouts (a plain orbax restore of ``arrays`` gives either as unsharded numpy arrays):
+
+* a ``ParamAccess`` state: ``{"params": <the params dict>, "state": {leaf name: array}}``, the
+  params pytree as it is and every other leaf (the step, the optimizer state) under a name
+  ``leaf_0000``... that the record maps to the leaf's path (``meta["names"]``);
+* an NNX state (:func:`stored_path`): every leaf nested as the module and ``nnx.Optimizer``
+  nest them, ``{"params": {"trunk": {"layers": {"0": ...}}}, "opt_state": {"0": {"mu": {...}}},
+  "step": ..., "qsdp": {"count": ..., "scales": {...}}, "model_state": {...}}``, so that a
+  script without qsdp_jax puts the params into the module and the base optimizer's state into
+  an ``nnx.Optimizer`` with ``nnx.replace_by_pure_dict``; the record maps each stored path back
+  (``meta["stored_paths"]``; checkpoints before it stored only the params so,
+  ``meta["module_paths"]``, and are read as they were).
+
+Zero-size arrays (orbax refuses them) are not stored: the record's shape and dtype rebuild them.
 """
 
 from __future__ import annotations
@@ -35,33 +44,83 @@ def leaf_names(keys) -> dict[str, str]:
     return {k: f"leaf_{i:04d}" for i, k in enumerate(keys) if not is_param(k)}
 
 
-def to_item(params, host: dict[str, np.ndarray], names: dict[str, str], by_module: bool = False) -> tuple[dict, dict]:
-    """The ``arrays`` item of host arrays ``{leaf path: array}``: ``params`` (the state's params
-    pytree) rebuilt of the host copies, the other leaves under their ``names`` (zero-size ones
-    left out); and ``{stored path: leaf path}`` of the params when ``by_module``, else ``{}``.
+def to_item(state, host: dict[str, np.ndarray], names: dict[str, str], by_module: bool = False) -> tuple[dict, dict]:
+    """The ``arrays`` item of the host copies ``host`` of ``state``'s leaves (keyed as
+    :func:`export_state` keys them) and ``{stored path: leaf path}`` (module docstring): with
+    ``by_module`` (an NNX state) every non-empty leaf at its :func:`stored_path`; else the params
+    pytree rebuilt of the host copies, the other non-empty leaves under their ``names``, and
+    ``{}``.
 
-    ``by_module`` (an NNX state, whose groups are named by module path: ``"trunk/layers/0"``):
-    the params are stored as the module's own nested dict (``{"trunk": {"layers": {"0": ...}}}``,
-    what ``nnx.to_pure_dict`` gives, keys as strings), so that a plain orbax restore of the item
-    goes into the module with ``nnx.replace_by_pure_dict`` (after ``nnx.restore_int_paths``).
+    Raises:
+      ValueError: two leaves of an NNX state would be stored at one path, or one inside another.
     """
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    where: dict[str, str] = {}
-    if by_module:
-        stored_params: dict = {}
-        for p, _ in flat:
-            keys = [*_key(p[0]).split("/"), *map(_key, p[1:])]
-            node = stored_params
-            for k in keys[:-1]:
-                node = node.setdefault(k, {})
-            node[keys[-1]] = host[".params" + jax.tree_util.keystr(p)]
-            where["/".join(keys)] = ".params" + jax.tree_util.keystr(p)
-    else:
-        stored_params = jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(params), [host[".params" + jax.tree_util.keystr(p)] for p, _ in flat]
+    if not by_module:
+        flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
+        stored = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(state.params),
+            [host[".params" + jax.tree_util.keystr(p)] for p, _ in flat],
         )
-    state = {names[k]: v for k, v in host.items() if k in names and v.size}
-    return {"params": stored_params, "state": state}, where
+        rest = {names[k]: v for k, v in host.items() if k in names and v.size}
+        return {"params": stored, "state": rest}, {}
+    item: dict = {}
+    where: dict[str, str] = {}
+    for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+        leaf, path = jax.tree_util.keystr(p), stored_path(p)
+        if not host[leaf].size:
+            continue
+        node = item
+        for i, k in enumerate(path[:-1]):
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"cannot store {leaf} at {'/'.join(path)}: {'/'.join(path[: i + 1])} is a leaf")
+        if path[-1] in node:
+            raise ValueError(f"cannot store {leaf} at {'/'.join(path)}: that path is taken")
+        node[path[-1]] = host[leaf]
+        where["/".join(path)] = leaf
+    return item, where
+
+
+def stored_path(key_path) -> tuple[str, ...]:
+    """Where an NNX state's leaf is stored: its key path as strings, group names and model-state
+    paths split at ``/`` (``.params['trunk/layers/0']['lin']['kernel']`` ->
+    ``("params", "trunk", "layers", "0", "lin", "kernel")``); the base optimizer's state
+    (``.opt_state.inner``) as ``"opt_state"``, as ``nnx.Optimizer`` keys it; QSDP's own optimizer
+    fields (its count and the weight grids) under ``"qsdp"``."""
+    keys = [k for entry in key_path for k in _key(entry).split("/")]
+    if keys[:2] == ["opt_state", "inner"]:
+        return ("opt_state", *keys[2:])
+    if keys[0] == "opt_state" and len(keys) > 1 and keys[1] in ("count", "scales", "offsets"):
+        return ("qsdp", *keys[1:])  # QSDPState's own fields
+    return tuple(keys)
+
+
+def from_item(got: dict, meta: dict) -> dict[str, np.ndarray]:
+    """``{leaf path: numpy array}`` of every leaf the record ``meta`` lists, from the restored
+    ``arrays`` item ``got`` (zero-size leaves rebuilt from their recorded shape and dtype; an NNX
+    state's leaves mapped back through ``meta["stored_paths"]``, or its params through the older
+    ``meta["module_paths"]``)."""
+    stored: dict[str, np.ndarray] = {}
+    if "stored_paths" in meta:
+        back = meta["stored_paths"]
+        for p, x in jax.tree_util.tree_flatten_with_path(got)[0]:
+            stored[back["/".join(map(_key, p))]] = np.asarray(x)
+    elif "module_paths" in meta:
+        back = meta["module_paths"]
+        for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]:
+            stored[back["/".join(map(_key, p))]] = np.asarray(x)
+    else:
+        for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]:
+            stored[".params" + jax.tree_util.keystr(p)] = np.asarray(x)
+    state = got.get("state", {})
+    out = {}
+    for k, (shape, dtype) in meta["leaves"].items():
+        if k in stored:
+            out[k] = stored[k]
+        elif int(np.prod(shape)) == 0:
+            out[k] = np.zeros(shape, dtype)
+        else:
+            out[k] = np.asarray(state[meta["names"][k]])
+    return out
 
 
 def _key(k) -> str:
@@ -70,28 +129,6 @@ def _key(k) -> str:
         if hasattr(k, attr):
             return str(getattr(k, attr))
     return str(k)
-
-
-def from_item(got: dict, meta: dict) -> dict[str, np.ndarray]:
-    """``{leaf path: numpy array}`` of every leaf the record ``meta`` lists, from the restored
-    ``arrays`` item ``got`` (zero-size leaves rebuilt from their recorded shape and dtype; params
-    stored by module path mapped back through ``meta["module_paths"]``)."""
-    by_module = meta.get("module_paths")
-    flat = jax.tree_util.tree_flatten_with_path(got["params"])[0]
-    if by_module:
-        params = {by_module["/".join(map(_key, p))]: np.asarray(x) for p, x in flat}
-    else:
-        params = {".params" + jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}
-    state = got.get("state", {})
-    out = {}
-    for k, (shape, dtype) in meta["leaves"].items():
-        if k in params:
-            out[k] = params[k]
-        elif int(np.prod(shape)) == 0:
-            out[k] = np.zeros(shape, dtype)
-        else:
-            out[k] = np.asarray(state[meta["names"][k]])
-    return out
 
 
 def export_state(state, mesh: Mesh) -> dict[str, jax.Array]:

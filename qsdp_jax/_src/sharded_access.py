@@ -31,7 +31,7 @@ from qsdp_jax._src import packing
 from qsdp_jax._src import quantizers as qz
 from qsdp_jax._src.layer_scan import remat_scan
 from qsdp_jax._src.payload import dequantize_parts
-from qsdp_jax._src.regather import regathered, tie
+from qsdp_jax._src.regather import regathered, tie, tied
 from qsdp_jax._src.sharded_take import Split, take_rows
 from qsdp_jax.access import check_take
 from qsdp_jax.collectives import make_coded_gather, make_gather_pieces, payload_from_packed
@@ -136,7 +136,10 @@ class ShardedParams:
         return side(scales[g.name]), side(offsets[g.name])
 
     def gather(self, group: str) -> PyTree:
-        return self.gather_blocks(group, self.blocks(group))
+        # after a call, the gather waits for that call's inputs (regather.tied): XLA would
+        # otherwise hoist it to the start of the step, and a group read at the end (a tied
+        # embedding's attend at the head) would be held whole across every call before it
+        return self.gather_blocks(group, tied(self.blocks(group), self._prefetch))
 
     def fresh(self) -> "ShardedParams":
         """The same access without the last call's prefetch tie: for another trace of the
