@@ -17,12 +17,11 @@ show() {
 }
 
 # Export the GPU training settings: collectives overlap compute (the latency-hiding scheduler
-# moves them around the matmuls, and the pipelined all-gather / reduce-scatter prefetch the next
-# layer inside the scanned layer loop), 90% of GPU memory for XLA, a dead process detected in 10 s.
+# moves them around the matmuls; the train step itself compiles with XLA's collective pipelining,
+# which prefetches the next layer: qsdp_jax/_src/overlap.py), 90% of GPU memory for XLA, a dead
+# process detected in 10 s.
 gpu_overlap_env() {
-  export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_latency_hiding_scheduler=true \
---xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true \
---xla_gpu_enable_pipelined_all_reduce=true --xla_gpu_enable_while_loop_double_buffering=true"
+  export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_latency_hiding_scheduler=true"
   export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
   export QSDP_HEARTBEAT_TIMEOUT_S="${QSDP_HEARTBEAT_TIMEOUT_S:-10}"
 }

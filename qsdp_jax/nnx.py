@@ -200,6 +200,7 @@ def make_train_step(
     reshard_after_forward: bool = True,
     take_embeddings: bool = False,
     rngs: nnx.Rngs | None = None,
+    overlap: bool = True,
 ) -> TrainStep:
     """The sharded train step of ``loss_fn(model, batch)`` (see the module docstring).
 
@@ -244,6 +245,9 @@ def make_train_step(
         ``nnx.Rngs`` of these streams, every key folded with the step and the device (fresh
         masks each step and device; a resumed run draws the same). None (the default): the
         step calls ``loss_fn(model, batch)``; streams the module holds are folded the same way.
+      overlap: True (the default): on GPUs, XLA's collective pipelining hides each layer's
+        gathers and gradient collectives behind the neighbouring layer's compute (as
+        ``qsdp_jax.make_train_step``). False: the compiler's defaults.
 
     Returns:
       The :class:`TrainStep`; metrics as ``qsdp_jax.make_train_step``.
@@ -268,6 +272,7 @@ def make_train_step(
         reshard_after_forward=reshard_after_forward,
         take_embeddings=take_embeddings,
         rngs=rngs,
+        overlap=overlap,
     )
 
 
@@ -281,6 +286,7 @@ def make_eval_step(
     mode: str | None = "eval",
     take_embeddings: bool = False,
     rngs: nnx.Rngs | None = None,
+    overlap: bool = True,
 ) -> TrainStep:
     """A jitted ``eval(state, batch) -> mean loss`` with the training gathers; the model state
     is read, not updated.
@@ -298,6 +304,7 @@ def make_eval_step(
       mode: ``"eval"`` (the default), ``"train"`` or ``None`` (as for :func:`make_train_step`).
       take_embeddings: as for :func:`make_train_step`.
       rngs: as for :func:`make_train_step` (for a ``loss_fn`` that takes ``rngs``).
+      overlap: as for :func:`make_train_step`.
 
     Returns:
       A :class:`TrainStep` computing ``eval(state, batch) -> mean loss`` (global mean, or the
@@ -322,4 +329,5 @@ def make_eval_step(
         evaluate=True,
         take_embeddings=take_embeddings,
         rngs=rngs,
+        overlap=overlap,
     )

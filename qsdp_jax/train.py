@@ -47,6 +47,7 @@ from qsdp_jax.config import QSDPConfig, check_config
 from qsdp_jax._src.grid import layout_context
 from qsdp_jax._src.guards import CheckedStep, check_batch, check_params, check_stacked, warn_padding
 from qsdp_jax._src.hierarchy import mesh_sizes
+from qsdp_jax._src.overlap import compiler_options
 from qsdp_jax._src.sharded_access import ShardedParams  # noqa: F401  (re-exported)
 from qsdp_jax._src.step_body import grid_for_step, local_grads, local_loss, sharded_body
 from qsdp_jax.layout import ParamLayout
@@ -225,6 +226,7 @@ def make_train_step(
     has_aux: bool = False,
     aux_out_spec: Any = None,
     donate: bool = True,
+    overlap: bool = True,
 ) -> Callable[[TrainState, PyTree], tuple[Any, ...]]:
     """A jitted ``step(state, batch) -> (state, metrics)`` (see the module docstring), or
     ``-> (state, metrics, aux)`` with ``has_aux``.
@@ -242,6 +244,10 @@ def make_train_step(
       aux_out_spec: out_specs for ``aux`` (default ``P(axis)``: per-device values concatenated
         on their leading axis; give ``jax.P()`` for values that are the same everywhere).
       donate: donate the input state's buffers to the output.
+      overlap: True (the default): on GPUs the step is compiled with XLA's collective
+        pipelining, which gathers the next layer while this one computes and reduce-scatters a
+        layer's gradient while the next one computes (one more layer's weights held;
+        ``qsdp_jax._src.overlap``). False: the compiler's defaults. No effect on CPU and TPU.
 
     Returns:
       The step; it also has the jitted function's ``lower`` (e.g. for
@@ -290,7 +296,8 @@ def make_train_step(
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, layout=layout)
         return (new_state, metrics, aux) if has_aux else (new_state, metrics)
 
-    return CheckedStep(jax.jit(step_fn, donate_argnums=(0,) if donate else ()), mesh)
+    options = compiler_options(mesh, overlap)
+    return CheckedStep(jax.jit(step_fn, donate_argnums=(0,) if donate else (), compiler_options=options), mesh)
 
 
 def _update(optimizer, config: QSDPConfig, mesh: Mesh, layout: ParamLayout, state: TrainState, grads):
@@ -327,7 +334,7 @@ def _update(optimizer, config: QSDPConfig, mesh: Mesh, layout: ParamLayout, stat
 
 
 def make_eval_step(
-    loss_fn: Callable[..., Any], mesh: Mesh, config: QSDPConfig
+    loss_fn: Callable[..., Any], mesh: Mesh, config: QSDPConfig, *, overlap: bool = True
 ) -> Callable[[TrainState, PyTree], jax.Array]:
     """A jitted ``eval(state, batch) -> mean loss`` with the same gathers as training (lossless
     in ``"qsdp"`` mode: evaluation sees exactly the weights training uses).
@@ -337,6 +344,7 @@ def make_eval_step(
         over the local batch.
       mesh: the state's mesh.
       config: the run's config.
+      overlap: as for :func:`make_train_step`.
 
     Returns:
       The jitted ``eval(state, batch)``, giving the loss averaged over the devices (a
@@ -360,7 +368,7 @@ def make_eval_step(
         body = sharded_body(local_loss(loss_fn, layout, config), mesh, config, layout, grid, batch, P())
         return body(state.step, state.params, batch)
 
-    return CheckedStep(jax.jit(eval_fn), mesh)
+    return CheckedStep(jax.jit(eval_fn, compiler_options=compiler_options(mesh, overlap)), mesh)
 
 
 def gather_params(state: TrainState) -> dict[str, PyTree]:

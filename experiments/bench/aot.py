@@ -34,9 +34,14 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+# The host computes on its CPU whatever plugins are installed: an installed CUDA plugin that finds
+# no GPU fails its initialisation, and then the compile-only GPU topology is "not implemented".
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from experiments.bench.memory import compile_step, peak_bytes
 from experiments.shelf import schedule

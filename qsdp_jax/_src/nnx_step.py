@@ -24,6 +24,7 @@ from qsdp_jax._src.nnx_reshard import can_reshard_any
 from qsdp_jax._src.nnx_scan import StepContext
 from qsdp_jax._src.nnx_summary import summary_table, warn_whole
 from qsdp_jax._src.nnx_tree import ModelDef, describe, in_mode, mode_differences
+from qsdp_jax._src.overlap import compiler_options
 from qsdp_jax.config import check_config
 from qsdp_jax.kernels.compile_errors import kernel_failures_explained
 
@@ -62,6 +63,7 @@ class TrainStep:
       evaluate: an eval step (:func:`make_eval_step`) instead of a train step.
       reshard_after_forward: see :func:`make_train_step`.
       take_embeddings: see :func:`make_train_step`.
+      overlap: see :func:`make_train_step`.
 
     Raises:
       TypeError: ``config`` is not a ``QSDPConfig``, ``loss_fn`` not callable, ``model`` not an
@@ -87,6 +89,7 @@ class TrainStep:
         reshard_after_forward=True,
         take_embeddings=False,
         rngs=None,
+        overlap=True,
     ):
         check_config(config)
         if not callable(loss_fn):
@@ -104,7 +107,11 @@ class TrainStep:
         self.take_embeddings = take_embeddings
         self.rngs = None if rngs is None else CallRngs(rngs)  # passed to loss_fn as rngs=
         self.record: dict[str, str] = {}
-        self._jitted = jax.jit(self._step, donate_argnums=(0,) if donate and not evaluate else ())
+        self._jitted = jax.jit(
+            self._step,
+            donate_argnums=(0,) if donate and not evaluate else (),
+            compiler_options=compiler_options(mesh, overlap),  # layer gathers hidden on GPUs
+        )
 
     def __call__(self, state: train.TrainState, batch: PyTree):
         if isinstance(state, train.TrainState):

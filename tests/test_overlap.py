@@ -1,0 +1,60 @@
+"""Layer gathers hidden behind compute (``make_train_step(..., overlap=True)``): on XLA:GPU every
+collective of the forward and backward layer loops has a matmul scheduled between its start and
+done, read from the program compiled ahead of time for 8 H100s (skipped without the CUDA
+plugin); with ``overlap=False`` the forward gather is exposed, as it was. On CPU the step is
+compiled as before."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import qsdp_jax as q
+from experiments.gpt.model import GPT, GPTConfig
+from experiments.shelf import schedule, targets
+from qsdp_jax._src.overlap import GPU_OPTIONS, compiler_options
+
+NO_CUDA = importlib.util.find_spec("jax_cuda13_plugin") is None
+
+
+def _loop_overlap(config: q.QSDPConfig, overlap: bool) -> dict:
+    devices = targets.devices(targets.TARGETS["h100-8"])
+    mesh = q.make_mesh(devices=devices)
+    model = GPT(GPTConfig(seq_len=1024, d_model=768, n_layers=4, n_heads=12, vocab_size=1024))  # GPT-125M layers
+    opt = q.optim.qsdp(optax.adam(1e-3), config)
+    state = q.abstract_train_state(model.abstract_params(), opt, mesh, config, stacked=model.stacked_groups)
+    batch = {k: jax.ShapeDtypeStruct((8, model.cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
+    step = q.make_train_step(model.loss, opt, mesh, config, overlap=overlap)
+    text = step.lower(state, batch).compile().as_text()
+    return schedule.summary(schedule.sites(text))
+
+
+@pytest.mark.skipif(NO_CUDA, reason="the CUDA plugin is not installed")
+@pytest.mark.parametrize(
+    "config", [q.QSDPConfig.fp32(), q.QSDPConfig.qsdp(8, 8, kernels="reference")], ids=["fp32", "W8G8"]
+)
+def test_every_layer_loop_collective_is_hidden_on_h100(config):
+    found = _loop_overlap(config, overlap=True)
+    for name in ("forward loop", "backward loop"):
+        row = found[name]
+        assert row["collectives"] >= 1 and row["hidden"] == row["collectives"], (name, found)
+    plain = _loop_overlap(config, overlap=False)
+    assert plain["forward loop"]["hidden"] == 0, plain  # the compiler's defaults: exposed
+
+
+def test_options_are_for_gpus_only_and_a_switch():
+    assert compiler_options(q.make_mesh(), True) is None  # CPU devices: the defaults
+    assert compiler_options(q.make_mesh(), False) is None
+    with pytest.raises(TypeError, match="overlap='yes'"):
+        q.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), q.make_mesh(), q.QSDPConfig.fp32(), overlap="yes")
+
+
+@pytest.mark.skipif(NO_CUDA, reason="the CUDA plugin is not installed")
+def test_a_gpu_mesh_gets_the_pipelining_options():
+    mesh = q.make_mesh(devices=targets.devices(targets.TARGETS["h100-8"]))
+    assert compiler_options(mesh, True) == GPU_OPTIONS
+    assert compiler_options(mesh, False) is None
