@@ -58,3 +58,26 @@ def test_a_gpu_mesh_gets_the_pipelining_options():
     mesh = q.make_mesh(devices=targets.devices(targets.TARGETS["h100-8"]))
     assert compiler_options(mesh, True) == GPU_OPTIONS
     assert compiler_options(mesh, False) is None
+
+
+@pytest.mark.skipif(NO_CUDA, reason="the CUDA plugin is not installed")
+def test_the_nnx_front_door_compiles_for_gpus_with_the_options():
+    """The NNX step nests the core step in its own jit, which alone carries the options (JAX
+    refuses compiler options on a nested jit); a list of blocks compiles for 8 H100s."""
+    from flax import nnx
+
+    from experiments.gpt.model_nnx import GPTListModel, gpt_loss
+    from qsdp_jax import nnx as qnnx
+
+    mesh = q.make_mesh(devices=targets.devices(targets.TARGETS["h100-8"]))
+    cfg = GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4)
+    model = nnx.eval_shape(lambda: GPTListModel.init(cfg, 0))
+    config = q.QSDPConfig.qsdp(8, 8, bucket_size=64, min_shard_size=128, kernels="reference")
+    opt = q.optim.qsdp(optax.adam(1e-3), config)
+    state = qnnx.abstract_state(model, opt, mesh, config)
+    batch = {k: jax.ShapeDtypeStruct((8, 16), jnp.int32) for k in ("inputs", "targets")}
+    for step in (
+        qnnx.make_train_step(model, gpt_loss, opt, mesh, config),
+        qnnx.make_eval_step(model, gpt_loss, mesh, config),
+    ):
+        assert "all-gather-start" in step.lower(state, batch).compile().as_text()

@@ -197,7 +197,8 @@ class TrainStep:
         xbatch = {"batch": batch, "extra": extra}
         inner = dataclasses.replace(state, model_state=None)
         if self.evaluate:
-            eval_fn = train.make_eval_step(lambda p, b: self._loss(p, b)[0], self.mesh, self.config)
+            # nested in this step's jit, which carries the compiler options (a nested jit may not)
+            eval_fn = train.make_eval_step(lambda p, b: self._loss(p, b)[0], self.mesh, self.config, overlap=False)
             return eval_fn(inner, xbatch)
         aux_spec = P(self.config.batch_axes) if self.aux_out_spec is None else self.aux_out_spec
         fn = train.make_train_step(
@@ -208,6 +209,7 @@ class TrainStep:
             has_aux=True,
             aux_out_spec={"aux": aux_spec, "state": P()},
             donate=False,
+            overlap=False,  # nested in this step's jit, which carries the compiler options
         )
         new, metrics, aux = fn(inner, xbatch)
         new = dataclasses.replace(new, model_state=aux["state"])
