@@ -142,10 +142,10 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
     def update(updates, state: QSDPState, params=None, **extra_args):
         if projecting and params is None:
             raise ValueError("qsdp_jax.optim.qsdp needs params in update() to project onto the grid")
-        ctx = qgrid.current_context()
-        # the train step zeroes non-finite gradients and keeps the old state itself: no second
-        # check of every leaf there (a reduction kernel per leaf)
-        finite = True if ctx is not None and ctx.finite else all_finite(updates)
+        # checked here too inside the train step (whose gradients are finite or zeroed): gating
+        # every output on this flag keeps XLA:CPU from starting the updates early (without it
+        # GPT-1.3B fp32 peaked 164 MB higher)
+        finite = all_finite(updates)
         inner_updates, inner_state = base.update(updates, state.inner, params, **extra_args)
         count = state.count + 1
         scales, offsets = state.scales, state.offsets
@@ -160,8 +160,6 @@ def qsdp(base: optax.GradientTransformation, config: QSDPConfig) -> optax.Gradie
             bucket=state.bucket,
             config=state.config,
         )
-        if finite is True:
-            return inner_updates, new_state
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         out_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), inner_updates)
         return out_updates, jax.tree.map(keep, new_state, state)

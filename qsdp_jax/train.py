@@ -303,7 +303,7 @@ def make_train_step(
 def _update(optimizer, config: QSDPConfig, mesh: Mesh, layout: ParamLayout, state: TrainState, grads):
     """The optimizer step in the global view; the old state where anything is non-finite."""
     axes = config.shard_axes
-    with layout_context(layout, mesh, axes, finite=True):  # the optimizer gets finite grads
+    with layout_context(layout, mesh, axes):
         params = wc.decode(state.params, state.opt_state, config, layout)  # as they are unless code-held
         finite = qoptim.all_finite(grads)
         # gated by the flag of all of them, no leaf's update starts before every gradient is

@@ -39,17 +39,15 @@ class LayoutContext(NamedTuple):
     layout: ParamLayout
     mesh: Mesh
     axes: Any  # QSDPConfig.shard_axes
-    finite: bool = False  # the updates are known finite (the train step zeroed non-finite ones)
 
 
 _CONTEXT: contextvars.ContextVar[LayoutContext | None] = contextvars.ContextVar("qsdp_layout", default=None)
 
 
 @contextlib.contextmanager
-def layout_context(layout: ParamLayout, mesh: Mesh, axes, finite: bool = False):
-    """Declare, while tracing, that the params the optimizer sees are sharded by ``layout`` (and
-    with ``finite`` that the updates it is given are finite: the train step checked them)."""
-    token = _CONTEXT.set(LayoutContext(layout, mesh, axes, finite))
+def layout_context(layout: ParamLayout, mesh: Mesh, axes):
+    """Declare, while tracing, that the params the optimizer sees are sharded by ``layout``."""
+    token = _CONTEXT.set(LayoutContext(layout, mesh, axes))
     try:
         yield
     finally:
