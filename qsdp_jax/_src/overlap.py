@@ -9,7 +9,7 @@ payload included) into this iteration, and this iteration's gradient reduce-scat
 next, which is FSDP's prefetch done by the compiler; a second collective in flight lets the
 backward loop's gather and its quantized gradient all-to-all both run under matmuls. The price
 is one more layer's gathered weights, held while the previous layer computes (GPT-125M, 8 H100s:
-fp32 799.8 -> 814.8 MB, W8G8 799.9 -> 810.2 MB per chip).
+fp32 799.8 -> 812.5 MB, W8G8 799.9 -> 810.2 MB per chip).
 
 The options are XLA:GPU's; on other platforms the step is compiled with the defaults (XLA:CPU
 runs collectives synchronously; XLA:TPU's flags are libtpu's own and not set here).
