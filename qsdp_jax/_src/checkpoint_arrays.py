@@ -99,18 +99,12 @@ def from_item(got: dict, meta: dict) -> dict[str, np.ndarray]:
     ``arrays`` item ``got`` (zero-size leaves rebuilt from their recorded shape and dtype; an NNX
     state's leaves mapped back through ``meta["stored_paths"]``, or its params through the older
     ``meta["module_paths"]``)."""
+    back = meta.get("stored_paths") or meta.get("module_paths")  # None: a ParamAccess state
+    tree = got if "stored_paths" in meta else got["params"]  # the older layout nested params only
     stored: dict[str, np.ndarray] = {}
-    if "stored_paths" in meta:
-        back = meta["stored_paths"]
-        for p, x in jax.tree_util.tree_flatten_with_path(got)[0]:
-            stored[back["/".join(map(_key, p))]] = np.asarray(x)
-    elif "module_paths" in meta:
-        back = meta["module_paths"]
-        for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]:
-            stored[back["/".join(map(_key, p))]] = np.asarray(x)
-    else:
-        for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]:
-            stored[".params" + jax.tree_util.keystr(p)] = np.asarray(x)
+    for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        leaf = ".params" + jax.tree_util.keystr(p) if back is None else back["/".join(map(_key, p))]
+        stored[leaf] = np.asarray(x)
     state = got.get("state", {})
     out = {}
     for k, (shape, dtype) in meta["leaves"].items():

@@ -27,15 +27,15 @@ GPU_OPTIONS = {
 }
 
 
-def check_overlap(overlap) -> None:
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap={overlap!r}: must be True or False")
-
-
 def compiler_options(mesh: Mesh, overlap: bool) -> dict | None:
     """The options the step of ``mesh`` is jitted with: :data:`GPU_OPTIONS` when ``overlap``
-    and every device of the mesh is a GPU, else None (the compiler's defaults)."""
-    check_overlap(overlap)
+    and every device of the mesh is a GPU, else None (the compiler's defaults).
+
+    Raises:
+      TypeError: ``overlap`` is not a bool.
+    """
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap={overlap!r}: must be True or False")
     if overlap and {d.platform for d in mesh.devices.flat} == {"gpu"}:
         return dict(GPU_OPTIONS)
     return None
