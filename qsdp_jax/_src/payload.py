@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 from jax import lax
 
 from qsdp_jax._src import quantizers as qz
@@ -41,16 +42,23 @@ def cpu_boundary(fn, *args):
     shape, so a fusion ending in a flat ``(..., n)`` reshape of per-bucket work recomputes the
     bucket index and reloads the bucket's scale and offset for every vector of elements, where
     a root shaped ``(..., n // bucket, bucket)`` keeps them in registers over a bucket. XLA:CPU
-    removes ``optimization_barrier`` before fusion, so the boundary is a ``lax.cond`` whose two
-    branches are both ``fn``: the result is the same whatever the predicate, which is read from
-    the data (the first element of the first argument) only so that XLA cannot fold the
-    conditional away. Both branches compile to the same kernels. Callers pass bucketed
-    operands and let ``fn`` return bucketed results (:func:`payload_kernels`,
+    removes ``optimization_barrier`` before fusion, so the boundary is a ``lax.cond`` whose
+    predicate is always true but read from the data (``(x | 1) != 0`` for the first element
+    ``x`` of the first argument, as an integer), so that XLA cannot fold the conditional away.
+    Its other branch is zeros of ``fn``'s result shapes: one cheap kernel, where a second copy
+    of ``fn`` (the earlier boundary, ``cond(p, fn, fn)``) compiled every kernel twice. Callers
+    pass bucketed operands and let ``fn`` return bucketed results (:func:`payload_kernels`,
     :func:`dequantize_rows`). GPU/TPU fusions need none of this.
     """
 
     def split(*a):
-        return lax.cond(a[0].reshape(-1)[0] == 0, fn, fn, *a)
+        # fn traced once: its jaxpr is the taken branch, its result shapes the other's zeros
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*a)
+        flat, tree = jax.tree_util.tree_flatten(shapes)
+        taken = lambda *x: jax.tree_util.tree_unflatten(tree, jax_core.jaxpr_as_fun(closed)(*x))  # noqa: E731
+        zeros = lambda *x: jax.tree_util.tree_unflatten(tree, [jnp.zeros(s.shape, s.dtype) for s in flat])  # noqa: E731
+        first = a[0].reshape(-1)[0].astype(jnp.int32)
+        return lax.cond((first | 1) != 0, taken, zeros, *jax.tree_util.tree_leaves(a))
 
     return lax.platform_dependent(*args, cpu=split, default=fn)
 
