@@ -201,6 +201,7 @@ def make_train_step(
     take_embeddings: bool = False,
     rngs: nnx.Rngs | None = None,
     overlap: bool = True,
+    scan_blocks: bool = True,
 ) -> TrainStep:
     """The sharded train step of ``loss_fn(model, batch)`` (see the module docstring).
 
@@ -248,6 +249,13 @@ def make_train_step(
       overlap: True (the default): on GPUs, XLA's collective pipelining hides each layer's
         gathers and gradient collectives behind the neighbouring layer's compute (as
         ``qsdp_jax.make_train_step``). False: the compiler's defaults.
+      scan_blocks: True (the default): resharded blocks called one after the other on each
+        other's output (``for block in self.blocks: x = block(x, mask)``), alike in their
+        parameters, run as one ``lax.scan`` with one compiled body per distinct block graph (a
+        local and a global attention layer), so compile time no longer grows with the block
+        count; the same values and gradients up to XLA's fusion choices (the rule:
+        ``qsdp_jax._src.nnx_chain``). False: every block call unrolled. Only with
+        ``reshard_after_forward``.
 
     Returns:
       The :class:`TrainStep`; metrics as ``qsdp_jax.make_train_step``.
@@ -273,6 +281,7 @@ def make_train_step(
         take_embeddings=take_embeddings,
         rngs=rngs,
         overlap=overlap,
+        scan_blocks=scan_blocks,
     )
 
 

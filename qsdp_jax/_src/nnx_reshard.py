@@ -83,7 +83,10 @@ def _holds_graph_nodes(tree) -> bool:
 
 def call_resharded(ctx, group, module, orig, args: tuple, kwargs: dict) -> Any:
     """``orig(module, *args, **kwargs)`` with ``group``'s weights gathered for the call and
-    gathered again in its backward pass (see the module docstring)."""
+    gathered again in its backward pass (see the module docstring); a call of a chain of alike
+    blocks reads the chain's one scan (``qsdp_jax._src.nnx_chain``)."""
+    if ctx.chains is not None and group.name in ctx.chains:
+        return ctx.chains.call(ctx, group.name, args, kwargs)
     flat, tree = jax.tree_util.tree_flatten((args, kwargs))
     where = [i for i, x in enumerate(flat) if isinstance(x, (jax.Array, np.ndarray))]
     with params_untouched():  # the split reads every variable; the parameters come gathered
@@ -108,6 +111,8 @@ def call_resharded(ctx, group, module, orig, args: tuple, kwargs: dict) -> Any:
     # the call's own inputs first: the next call's gather is tied to the first of them
     out, new = ctx.access.call(group.name, run, [flat[i] for i in where], state)
     nnx.update(module, _state(rstate, list(zip(rpaths, new))))
+    if ctx.recorder is not None:  # the first trace: which calls chain (nnx_chain)
+        ctx.recorder.add(group.name, args, kwargs, out, ctx.access.signature(group.name), not rpaths)
     return out
 
 

@@ -74,6 +74,8 @@ class StepContext:
         reshard=False,
         held=frozenset(),
         take=False,
+        recorder=None,
+        chains=None,
     ):
         self.access = access  # qsdp_jax.train.ShardedParams
         self.mdef = mdef
@@ -82,6 +84,9 @@ class StepContext:
         self.reshard = reshard  # groups called as modules are gathered per call (nnx_reshard)
         self.held = held  # groups not resharded (read outside their call too)
         self.take = take  # nnx.Embed lookups read rows (nnx_take)
+        self.recorder = recorder  # nnx_chain.Recorder: the first trace records its calls
+        self.chains = chains  # nnx_chain.Runner: the chains of alike blocks, run as one scan
+        self.module: nnx.Module | None = None  # built for this trace (build)
         self.taken: dict[int, tuple[str, str]] = {}  # id(embed) -> (group, leaf path)
         self.stacks: dict[int, Group] = {}
         self.resharded: dict[int, Group] = {}
@@ -130,6 +135,7 @@ class StepContext:
                 value = fold_keys(jax.random.wrap_key_data(value, impl=spec.key_impl), step, device)
             others.append((spec.path, spec.make(value)))
         module = nnx.merge(self.mdef.graphdef, nnx.from_flat_state(params), nnx.from_flat_state(others))
+        self.module = module
         sync_batch_norm(module, self.axis)
         self.base_trace = _current_trace()
         if self.take:

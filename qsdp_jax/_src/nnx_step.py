@@ -18,6 +18,7 @@ from qsdp_jax._src import guards
 from qsdp_jax._src.hierarchy import mesh_sizes
 from qsdp_jax._src.nnx_annotations import explain_manual_error, is_manual_error
 from qsdp_jax._src.nnx_call_rngs import CallRngs, closure_error
+from qsdp_jax._src.nnx_chain import Recorder, Runner, find_chains
 from qsdp_jax._src.nnx_checks import check_fits, split_loss, state_label, warn_mode
 from qsdp_jax._src.nnx_closure import stand_in
 from qsdp_jax._src.nnx_reshard import can_reshard_any
@@ -64,6 +65,7 @@ class TrainStep:
       reshard_after_forward: see :func:`make_train_step`.
       take_embeddings: see :func:`make_train_step`.
       overlap: see :func:`make_train_step`.
+      scan_blocks: see :func:`make_train_step`.
 
     Raises:
       TypeError: ``config`` is not a ``QSDPConfig``, ``loss_fn`` not callable, ``model`` not an
@@ -90,6 +92,7 @@ class TrainStep:
         take_embeddings=False,
         rngs=None,
         overlap=True,
+        scan_blocks=True,
     ):
         check_config(config)
         if not callable(loss_fn):
@@ -105,6 +108,7 @@ class TrainStep:
         # reshard only where it can apply: a train step with a group called as a module
         self.reshard = reshard_after_forward and not evaluate and can_reshard_any(graph, self.mdef)
         self.take_embeddings = take_embeddings
+        self.scan_blocks = scan_blocks
         self.rngs = None if rngs is None else CallRngs(rngs)  # passed to loss_fn as rngs=
         self.record: dict[str, str] = {}
         self._jitted = jax.jit(
@@ -160,18 +164,34 @@ class TrainStep:
         batch = xbatch["batch"]
         extra = jax.tree.map(lambda x: x[0], xbatch["extra"])
         held: frozenset[str] = frozenset()
+        chains = None
         if self.reshard:
             # a first, abstract trace finds the groups the loss also reads outside their own
             # __call__ (a tied embedding's attend): those are gathered once and held, as
-            # resharding them would gather them twice in the forward pass
+            # resharding them would gather them twice in the forward pass; it also records the
+            # resharded calls, to find the chains of alike blocks run as one scan (nnx_chain)
             probe: dict[str, str] = {}
-            jax.eval_shape(lambda: self._traced_loss(access.fresh(), batch, extra, probe, frozenset()))
+            recorder = Recorder() if self.scan_blocks else None
+            jax.eval_shape(lambda: self._traced_loss(access.fresh(), batch, extra, probe, frozenset(), recorder))
             held = frozenset(name for name, how in probe.items() if how == "whole")
-        return self._traced_loss(access, batch, extra, self.record, held)
+            if recorder is not None:
+                chains = Runner(find_chains([c for c in recorder.calls if c.group not in held]))
+        return self._traced_loss(access, batch, extra, self.record, held, chains=chains)
 
-    def _traced_loss(self, access, batch, extra, record: dict, held):
-        """The loss on the module built for this trace; ``held``: groups not resharded."""
-        ctx = StepContext(access, self.mdef, self.config.batch_axes, record, self.reshard, held, self.take_embeddings)
+    def _traced_loss(self, access, batch, extra, record: dict, held, recorder=None, chains=None):
+        """The loss on the module built for this trace; ``held``: groups not resharded;
+        ``recorder`` / ``chains``: the first trace's call records / the chains found in them."""
+        ctx = StepContext(
+            access,
+            self.mdef,
+            self.config.batch_axes,
+            record,
+            self.reshard,
+            held,
+            self.take_embeddings,
+            recorder,
+            chains,
+        )
         with ctx.active(), stand_in(self.model):
             module = ctx.build(extra["state"], extra["step"])
             kwargs = {} if self.rngs is None else {"rngs": self.rngs.for_step(extra["step"], self.config.batch_axes)}

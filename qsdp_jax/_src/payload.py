@@ -44,7 +44,7 @@ def cpu_boundary(fn, *args):
     a root shaped ``(..., n // bucket, bucket)`` keeps them in registers over a bucket. XLA:CPU
     removes ``optimization_barrier`` before fusion, so the boundary is a ``lax.cond`` whose
     predicate is always true but read from the data (``(x | 1) != 0`` for the first element
-    ``x`` of the first argument, as an integer), so that XLA cannot fold the conditional away.
+    ``x`` of the first array argument, as an integer), so that XLA cannot fold the conditional away.
     Its other branch is zeros of ``fn``'s result shapes: one cheap kernel, where a second copy
     of ``fn`` (the earlier boundary, ``cond(p, fn, fn)``) compiled every kernel twice. Callers
     pass bucketed operands and let ``fn`` return bucketed results (:func:`payload_kernels`,
@@ -57,7 +57,7 @@ def cpu_boundary(fn, *args):
         flat, tree = jax.tree_util.tree_flatten(shapes)
         taken = lambda *x: jax.tree_util.tree_unflatten(tree, jax_core.jaxpr_as_fun(closed)(*x))  # noqa: E731
         zeros = lambda *x: jax.tree_util.tree_unflatten(tree, [jnp.zeros(s.shape, s.dtype) for s in flat])  # noqa: E731
-        first = a[0].reshape(-1)[0].astype(jnp.int32)
+        first = jax.tree_util.tree_leaves(a)[0].reshape(-1)[0].astype(jnp.int32)
         return lax.cond((first | 1) != 0, taken, zeros, *jax.tree_util.tree_leaves(a))
 
     return lax.platform_dependent(*args, cpu=split, default=fn)

@@ -72,8 +72,8 @@ class ShardedParams:
             first += g.num_leaves
         self._prefetch: jax.Array | None = None  # regather.tie of the last call's inputs
 
-    def _key(self, group: str, layer, buffer: Buffer) -> jax.Array:
-        gi = self._layout.group_index(group)
+    def _key(self, group: str, layer, buffer: Buffer, gi=None) -> jax.Array:
+        gi = self._layout.group_index(group) if gi is None else gi  # traced in chain()
         if buffer.index == 0:
             return qz.derive_key(self._config.seed, PURPOSE_GRAD, self._step, gi, layer)
         return qz.derive_key(self._config.seed, PURPOSE_GRAD, self._step, gi, layer, buffer.index)
@@ -105,15 +105,16 @@ class ShardedParams:
             jnp.concatenate([offsets[s.index] for s in buffer.slots], axis=-1),
         )
 
-    def _full_leaves(self, g: GroupLayout, blocks: list, grids, layer, codes=None) -> PyTree:
+    def _full_leaves(self, g: GroupLayout, blocks: list, grids, layer, codes=None, gi=None) -> PyTree:
         """The group's full leaves (one layer's, inside ``scan``) from this device's blocks (and
-        codes blocks, for code-held leaves)."""
+        codes blocks, for code-held leaves); ``gi``: the group index its keys take (traced, in
+        :meth:`chain`), else ``g``'s."""
         out = list(blocks)
         n = self._layout.num_shards
         for b in g.buffers:
             flat = packing.pack(b, blocks, self._layout.bucket)
             grid = self._buffer_grid(b, grids) if self._has_grid(b) else None
-            key = self._key(g.name, layer, b)
+            key = self._key(g.name, layer, b, gi)
             if codes is not None and codes[b.slots[0].index] is not None:
                 assert grid is not None  # code-held leaves are gridded
                 packed = jnp.concatenate([codes[s.index].reshape(-1) for s in b.slots])
@@ -154,6 +155,41 @@ class ShardedParams:
         out = regathered(gather, fn, self.blocks(group), args, self._prefetch)
         self._prefetch = tie(args)  # the next call's gather waits for these inputs
         return out
+
+    def chain(self, groups: list, body, init) -> list:
+        """``body(gather(groups[i]), carry, i) -> carry`` for each group in turn, all through one
+        rematerialised scan body (:func:`~qsdp_jax._src.layer_scan.remat_scan`, the blocks kept
+        apart), with the gathers, keys and gradients :meth:`call` gives each group. The groups'
+        layouts are alike (:func:`layout_signature`). Returns each group's output, in order."""
+        gs = [self._unstacked(name, "call") for name in groups]
+        blocks = [tied(self.blocks(name), self._prefetch) for name in groups]
+        grids = None
+        if self._grid is not None:
+            per = [self._group_grids(g) for g in gs]
+            grids = tuple(
+                [None if x is None else jnp.stack([p[side][j].reshape(-1) for p in per]) for j, x in enumerate(first)]
+                for side, first in enumerate(per[0])
+            )
+        codes = [c for c in (self._codes_of[name] for name in groups) if c is not None]
+        stacked_codes = None  # code-held leaves are so in every group of a chain (alike layouts)
+        if codes:
+            stacked_codes = [None if c is None else jnp.stack([cs[j] for cs in codes]) for j, c in enumerate(codes[0])]
+        index = jnp.asarray([self._layout.group_index(name) for name in groups], jnp.int32)
+
+        def layer(carry, blocks_l, const):
+            grids_l, codes_l, gi, i = const
+            out = body(self._full_leaves(gs[0], blocks_l, grids_l, 0, codes_l, gi), carry, i)
+            return out, out
+
+        order = jnp.arange(len(groups), dtype=jnp.int32)
+        _, ys = remat_scan(layer, init, blocks, (grids, stacked_codes, index, order), apart=True)
+        outs = [ys[i] for i in range(len(groups))]
+        self._prefetch = tie(outs[-2])  # the last call's inputs, as call() ties them
+        return outs
+
+    def signature(self, group: str) -> tuple:
+        """:func:`layout_signature` of ``group``."""
+        return layout_signature(self._layout.group(group))
 
     def blocks(self, group: str) -> list:
         """This device's blocks of ``group``'s leaves, in leaf order."""
@@ -224,3 +260,11 @@ class ShardedParams:
         if remat:  # the backward's gradient buffers exist from when it starts (layer_scan)
             return remat_scan(layer, init, (blocks, xs), (grids, codes, indices))
         return lax.scan(lambda c, x: layer(c, *x), init, ((blocks, xs), (grids, codes, indices)))
+
+
+def layout_signature(g: GroupLayout) -> tuple:
+    """What :meth:`ShardedParams.chain` needs alike in its groups: the leaves' shapes, dtypes and
+    split, and the buffers' bits and packing (names and paths aside)."""
+    leaves = tuple((x.index, x.shape, x.dtype, x.dim, x.local_size, x.buckets) for x in g.leaves)
+    buffers = tuple((b.index, b.bits, b.slots, b.flat_size, b.chunk) for b in g.buffers)
+    return (g.stacked, g.treedef, leaves, buffers)
