@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qsdp_jax._src.payload import cpu_boundary
+from qsdp_jax._src.alike import apart as apart_items, pick
 from qsdp_jax._src.regather import tie, tied
 
 PyTree = Any
@@ -74,21 +74,6 @@ def _at(tree, i):
     return jax.tree_util.tree_map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
-def _pick(xs_list: list, i):
-    """Layer ``i``'s inputs out of a list over the layers (one switch branch per layer)."""
-    return lax.switch(i, [lambda k=k: xs_list[k] for k in range(len(xs_list))])
-
-
-def _apart(stacked: list, n: int) -> list:
-    """The ``n`` layers of the arrays ``stacked``, a list over the layers. Each layer is a
-    dynamic slice at an index XLA cannot see (written out behind ``cpu_boundary``): a static
-    slice, fused into the layer's consumers (its optimizer kernels), made each layer's kernels
-    differ in one constant, and XLA:CPU compiles one kernel per distinct fusion (Gemma 3 270M's
-    W8G8 step: 109 distinct slice kernels)."""
-    index = cpu_boundary(lambda a: [a[i] for i in range(n)], jnp.arange(n, dtype=jnp.int32))
-    return [[lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in stacked] for i in index]
-
-
 def remat_scan(
     layer: Callable[[Any, Any, Any], tuple[Any, Any]], init, xs, consts, *, apart: bool = False
 ) -> tuple[Any, Any]:
@@ -114,7 +99,7 @@ def remat_scan(
 
 
 def _make_run(fn, n: int, apart: bool):
-    layer_of = _pick if apart else _at
+    layer_of = pick if apart else _at
 
     def scan_forward(init, xs, consts, hoisted, keep_carries: bool):
         def step(c, i):
@@ -159,7 +144,7 @@ def _make_run(fn, n: int, apart: bool):
         (ct_cf, bufs, h_cts), _ = lax.scan(step, state, jnp.arange(n, dtype=jnp.int32), reverse=True)
         zero_consts = jax.tree_util.tree_map(_zero_ct, consts)
         if apart:
-            ct_xs = [_cts(x, per) for x, per in zip(xs, _apart(bufs, n))]
+            ct_xs = [_cts(x, per) for x, per in zip(xs, apart_items(bufs, n))]
         else:
             ct_xs = _cts(xs, bufs)
         return _cts(ct_carry, ct_cf), ct_xs, zero_consts, _cts(hoisted, h_cts)
