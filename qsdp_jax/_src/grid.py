@@ -30,7 +30,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 from qsdp_jax import kernels as qk
 from qsdp_jax._src import policy
 from qsdp_jax._src import quantizers as qz
-from qsdp_jax._src.alike import map_alike
 from qsdp_jax._src.payload import cpu_boundary
 from qsdp_jax.layout import ParamLayout, leaf_spec
 
@@ -148,10 +147,13 @@ def _project_block(x, geo: LeafGrid, config, key, shard, rounding=None):
     def kernel(r, k, i, target):
         return qk.project(r, bits, bucket, rounding, k, bucket_ids=i, target=target)
 
-    # float32 grids only: QSDPConfig refuses bf16 stats with on-grid weights
+    # float32 grids only: QSDPConfig refuses bf16 stats with on-grid weights. Behind
+    # cpu_boundary, the projection is computed once: fused into its consumers (the update, the
+    # finiteness check, the snap, the kept state), XLA:CPU compiled the whole chain (noise hash,
+    # bucket stats, rounding) into each of them, 2.7x the step's fused code of fp32's.
     ids = _bucket_ids(geo, shard)
-    values, scales, offsets = qk.select(
-        config.kernels, reference, kernel, rows_of(x, geo, bucket), key, ids, bucket=bucket
+    values, scales, offsets = cpu_boundary(
+        lambda r: qk.select(config.kernels, reference, kernel, r, key, ids, bucket=bucket), rows_of(x, geo, bucket)
     )
     return values[:, : geo.size].reshape(x.shape).astype(x.dtype), scales, offsets
 
@@ -169,12 +171,6 @@ def _snap_block(x, scales, offsets, geo: LeafGrid, config):
         bucket=bucket,
     )
     return values[:, : geo.size].reshape(x.shape).astype(x.dtype)
-
-
-def _alike_keys(geos: Sequence[LeafGrid], blocks: Sequence[jax.Array]) -> list:
-    """Leaves of one key share one compiled projection and snap (``alike.map_alike``): the same
-    grid geometry, block shape and dtype."""
-    return [(g, x.shape, str(x.dtype)) for g, x in zip(geos, blocks)]
 
 
 def per_device(fn, geos: list[LeafGrid], kinds_in: str, kinds_out: str, *args):
@@ -214,17 +210,10 @@ def project(leaves: Sequence[jax.Array], geos: Sequence[LeafGrid], config, count
     sub = [geos[i] for i in idx]
 
     def fn(shard, blocks):
-        def one(j, rep, x):  # j: the position in sub (traced for alike leaves); sub[rep] its geometry
-            leaf = jnp.asarray(idx, jnp.int32)[j] if isinstance(j, jax.Array) else idx[j]
-            key = qz.derive_key(config.seed, PURPOSE_WEIGHT, count, leaf)
-            return _project_block(x, sub[rep], config, key, shard, rounding)
-
-        # alike leaves (a list of blocks: six shapes for 109 leaves) share one compiled projection;
-        # a leaf alone sits behind cpu_boundary, computed once: fused into its consumers (the
-        # update, the finiteness check, the snap, the kept state) XLA:CPU compiled the noise,
-        # bucket statistics and rounding into each of them, 2.7x the step's fused code of fp32's
-        alone = lambda j, rep, x: cpu_boundary(lambda y: one(j, rep, y), x)  # noqa: E731
-        out = map_alike(one, _alike_keys(sub, blocks), blocks, single=alone)
+        out = [
+            _project_block(x, g, config, qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i), shard, rounding)
+            for x, g, i in zip(blocks, sub, idx)
+        ]
         return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
 
     values, scales, offsets = per_device(fn, sub, "l", "lgg", [leaves[i] for i in idx])
@@ -243,8 +232,7 @@ def snap(leaves: Sequence[jax.Array], geos: Sequence[LeafGrid], scales, offsets,
 
     def fn(shard, blocks, s, o):
         del shard
-        one = lambda j, rep, x, a, b: _snap_block(x, a, b, sub[rep], config)  # noqa: E731
-        return (map_alike(one, _alike_keys(sub, blocks), blocks, s, o),)
+        return ([_snap_block(x, a, b, g, config) for x, a, b, g in zip(blocks, s, o, sub)],)
 
     out = list(leaves)
     picked = [[x[i] for i in idx] for x in (leaves, scales, offsets)]
