@@ -138,3 +138,42 @@ def test_a_gpu_row_compiles_for_h100():
     row = aot.measure(targets.TARGETS["h100-8"], "tiny", "qsdp-W8G8")
     _row_checks(row, "reference")
     assert row["chip"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_the_two_level_model_prices_node_spanning_collectives_at_the_inter_node_link():
+    """2 x 8 GPUs: a gather inside node 0 moves at NVLink's rate, one across the nodes at the
+    stated Gb/s; a hidden one overlaps the compute (the step is their max), an exposed one adds."""
+    from experiments.bench import aot
+    from qsdp_jax.comm import Collective, CommReport
+
+    target = targets.TARGETS["h100-16"]
+    assert (target.hosts, target.chips_per_host) == (2, 8) and targets.TARGETS["h100-8"].hosts == 1
+
+    def gather(name, groups, nbytes):
+        size = len(groups[0]) if groups else 16
+        return Collective("all-gather", "u8", nbytes, size, 1, int(nbytes), name, "c", "all-gather-start", True, groups)
+
+    inside = gather("in", (tuple(range(8)), tuple(range(8, 16))), 450e6)  # 1 ms at 450 GB/s
+    across = gather("across", tuple((i, i + 8) for i in range(8)), 50e6)  # 1 ms at 400 Gb/s
+    everyone = gather("all", (), 12.5e6)  # no groups: all 16 devices, 1 ms at 100 Gb/s
+    report = CommReport((inside, across, everyone), 16)
+    hidden = [schedule.Site("all-gather", "in", "u8", 0, "c", True, False, True, 3, 1)]
+    flops = 1e-3 * target.n_chips * target.peak_bf16_flops  # 1 ms of compute per chip
+    m = aot.node_model(target, flops, report, hidden, 400)
+    assert m["intra_bytes"] == 450e6 and m["inter_bytes"] == 62.5e6
+    assert m["hidden_comm_s"] == pytest.approx(1e-3) and m["compute_s"] == pytest.approx(1e-3)
+    assert m["exposed_comm_s"] == pytest.approx(1e-3 + 0.25e-3)  # across at 400, all 16 at 400
+    assert m["step_s"] == pytest.approx(2.25e-3)
+    slow = aot.node_model(target, flops, report, hidden, 100)
+    assert slow["exposed_comm_s"] == pytest.approx(4e-3 + 1e-3)
+
+
+def test_a_2level_scheme_is_a_node_local_mesh_and_only_for_our_steps():
+    from experiments.shelf import schemes
+
+    config = schemes.scheme_config("qsdp-W8G8+2level")
+    assert (config.node_axis, config.axis_name, config.weight_bits) == ("node", "local", 8)
+    assert schemes.mesh_axes("qsdp-W8G8+2level", 16, 2) == {"node": 2, "local": 8}
+    assert schemes.mesh_axes("qsdp-W8G8", 16, 2) == "fsdp"
+    with pytest.raises(ValueError, match="2level needs a qsdp_jax scheme"):
+        schemes.split_scheme("gspmd+2level")

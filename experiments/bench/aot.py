@@ -22,6 +22,11 @@ pick on that chip (Pallas on TPU, the jnp reference on GPU). Read from the compi
 * a **modelled step time**, labelled as a model: compute = training FLOPs (6 x parameters x
   tokens, x 8/6 with the rematerialised forward, plus attention) over the chip's peak bf16 rate,
   plus the exposed collectives' bytes over the link bandwidth. Its inputs are printed with it.
+  On a target of several nodes (``h100-16``: 2 x 8 H100) a **two-level model** for each
+  inter-node bandwidth of ``INTER_GBPS`` (per GPU, one direction: one NIC per GPU): a
+  collective whose replica groups span nodes moves its bytes at that bandwidth, one inside a
+  node at NVLink's (a ring's slowest link sets its pace); the collectives hidden behind a
+  matmul overlap the compute, so the step is ``max(compute, hidden comm) + exposed comm``.
 
 Writes ``experiments/results/aot.json`` after every row (a run resumes where it stopped: rows
 already in the file are kept and not compiled again) and prints a table. The compiled texts are
@@ -52,6 +57,7 @@ from experiments.shelf.wire_bytes import formula_bytes, gpt_collective_counts
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "aot.json"
 DEFAULT_HLO = Path(__file__).resolve().parents[2] / ".aot_hlo"  # not committed (.gitignore)
 MB = 1e6
+INTER_GBPS = (100, 400)  # inter-node link per GPU, Gb/s, of the two-level model
 
 
 def _kernels(target: Target, scheme: str) -> str | None:
@@ -100,7 +106,9 @@ def measure(target: Target, model_name: str, scheme: str, hlo_dir: Path | None =
     text is kept gzipped in ``hlo_dir`` (so :func:`count` can be re-run without compiling)."""
     devs = devices(target)
     t0 = time.perf_counter()
-    compiled, rec, state = compile_step(model_name, scheme, devs, 1, kernels=_kernels(target, scheme))
+    compiled, rec, state = compile_step(
+        model_name, scheme, devs, 1, kernels=_kernels(target, scheme), hosts=target.hosts
+    )
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     if hlo_dir is not None:
@@ -127,6 +135,25 @@ def measure(target: Target, model_name: str, scheme: str, hlo_dir: Path | None =
     return count(row, text)
 
 
+def node_model(target: Target, flops: float, report, sites: list, gbps: float) -> dict:
+    """The two-level modelled step time per chip (seconds) at ``gbps`` between nodes, and its
+    inputs (module docstring); a model, not a measurement."""
+    hidden = {s.name for s in sites if s.hidden}
+    inter = gbps * 1e9 / 8
+    per = target.chips_per_host
+    out = {"inter_gbps": gbps, "inter_bytes_per_s": inter, "intra_bytes_per_s": target.link_bytes_per_s}
+    out.update(inter_bytes=0.0, intra_bytes=0.0, hidden_comm_s=0.0, exposed_comm_s=0.0)
+    for c in report.collectives:
+        groups = c.replica_groups or (tuple(range(target.n_chips)),)
+        spans = any(len({d // per for d in g}) > 1 for g in groups)
+        out["inter_bytes" if spans else "intra_bytes"] += c.bytes_on_wire
+        seconds = c.bytes_on_wire / (inter if spans else target.link_bytes_per_s)
+        out["hidden_comm_s" if c.name in hidden else "exposed_comm_s"] += seconds
+    out["compute_s"] = flops / target.n_chips / target.peak_bf16_flops
+    out["step_s"] = max(out["compute_s"], out["hidden_comm_s"]) + out["exposed_comm_s"]
+    return out
+
+
 def count(row: dict, text: str) -> dict:
     """``row`` with what is read from its compiled text: wire bytes, overlap, modelled time."""
     from qsdp_jax import comm
@@ -135,15 +162,17 @@ def count(row: dict, text: str) -> dict:
     sites = schedule.sites(text)
     wire = report.total_bytes
     hidden_share = sum(s.bytes for s in sites if s.hidden) / max(1, sum(s.bytes for s in sites))
+    target = TARGETS[row["target"]]
+    flops = model_flops(row["model"], row["tokens"])
+    if target.hosts > 1:
+        row = {**row, "model_time_nodes": [node_model(target, flops, report, sites, g) for g in INTER_GBPS]}
     return {
         **row,
         "wire_bytes": wire,
         "wire_by_kind_dtype": {f"{k} {d}": b for (k, d), b in report.by_kind_dtype().items()},
         "trip_counts_known": not report.warnings,
         "overlap": schedule.summary(sites),
-        "model_time": step_model(
-            TARGETS[row["target"]], model_flops(row["model"], row["tokens"]), wire, wire * (1 - hidden_share)
-        ),
+        "model_time": step_model(target, flops, wire, wire * (1 - hidden_share)),
     }
 
 
@@ -202,6 +231,39 @@ def overlap_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def nodes_table(rows: list[dict]) -> str:
+    """The two-level model's rows (targets of several nodes): per inter-node bandwidth, the
+    step and its parts, and the ratio to GSPMD's at the same bandwidth."""
+    base = {
+        (r["target"], r["model"], m["inter_gbps"]): m["step_s"]
+        for r in rows
+        if r["scheme"] == "gspmd"
+        for m in r.get("model_time_nodes", [])
+    }
+    w = _scheme_width(rows)
+    head = (
+        f"{'target':<9}{'model':<16}{'scheme':<{w}}{'Gb/s':>6}{'inter MB':>10}{'intra MB':>10}"
+        f"{'compute ms':>11}{'hidden ms':>10}{'exposed ms':>11}{'step ms':>9}{'vs gspmd':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        for m in r.get("model_time_nodes", []):
+            ref = base.get((r["target"], r["model"], m["inter_gbps"]))
+            vs = f"{m['step_s'] / ref:.2f}x" if ref else "-"
+            lines.append(
+                f"{r['target']:<9}{r['model']:<16}{r['scheme']:<{w}}{m['inter_gbps']:>6}"
+                f"{m['inter_bytes'] / MB:>10.1f}{m['intra_bytes'] / MB:>10.1f}{m['compute_s'] * 1e3:>11.2f}"
+                f"{m['hidden_comm_s'] * 1e3:>10.2f}{m['exposed_comm_s'] * 1e3:>11.2f}{m['step_s'] * 1e3:>9.2f}{vs:>9}"
+            )
+    lines += [
+        "",
+        "A MODEL, not a measurement: per GPU, inter-node bytes at the stated Gb/s (one NIC per GPU, one",
+        "direction), intra-node bytes at NVLink's 450 GB/s; compute = training FLOPs / peak bf16;",
+        "step = max(compute, comm hidden behind a matmul in the schedule) + exposed comm.",
+    ]
+    return "\n".join(lines)
+
+
 def _key(row: dict) -> tuple[str, str, str]:
     return row["target"], row["model"], row["scheme"]
 
@@ -251,6 +313,9 @@ def main(argv=None) -> int:
     print(table(rows))
     print()
     print(overlap_table(rows))
+    if any("model_time_nodes" in r for r in rows):
+        print()
+        print(nodes_table(rows))
     return 0
 
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the steps qsdp_jax returns are typed Callable; they forward
     from jax.stages import Wrapped
 
 from experiments.gpt.devices import simulate_cpu_devices
-from experiments.shelf.schemes import base_optimizer, embed_lookup, scheme_config, split_scheme
+from experiments.shelf.schemes import base_optimizer, embed_lookup, mesh_axes, scheme_config, split_scheme
 
 MODELS = ("tiny", "small", "medium", "gpt-125m", "gpt-350m", "gpt-1.3b")
 SCHEMES = ("gspmd", "fp32", "qsdp-W8G8")
@@ -104,11 +104,14 @@ def measure(model_name: str, scheme: str, n_devices: int, batch_per_device: int 
     return compile_step(model_name, scheme, devices[:n_devices], batch_per_device)[1]
 
 
-def compile_step(model_name: str, scheme: str, devices: list, batch_per_device: int = 1, kernels: str | None = None):
+def compile_step(
+    model_name: str, scheme: str, devices: list, batch_per_device: int = 1, kernels: str | None = None, hosts: int = 1
+):
     """``(compiled, record, state)``: the train step of ``model_name`` / ``scheme`` compiled for
     ``devices`` (this process's, or a real target's compile-only devices), its memory record and
     the abstract state it was compiled for; ``kernels`` overrides the scheme's
-    ``QSDPConfig.kernels``."""
+    ``QSDPConfig.kernels``; ``hosts``: the nodes the devices are on (a ``+2level`` mesh's outer
+    axis)."""
     import dataclasses
 
     import jax
@@ -120,7 +123,7 @@ def compile_step(model_name: str, scheme: str, devices: list, batch_per_device: 
     from qsdp_jax import optim
 
     n_devices = len(devices)
-    mesh = q.make_mesh(devices=devices)
+    mesh = q.make_mesh(mesh_axes(scheme, n_devices, hosts), devices=devices)
     model = GPT(GPTConfig.from_preset(model_name, embed_lookup=embed_lookup(scheme)))
     t0 = time.perf_counter()
     batch = {

@@ -31,6 +31,7 @@ class Site:
     """One collective of a scheduled program and what runs while it travels."""
 
     kind: str  # all-gather, reduce-scatter, ...
+    name: str  # the instruction's (its start's) name, as comm_report names it
     dtype: str
     bytes: int  # the result's bytes (per device)
     computation: str
@@ -156,6 +157,7 @@ def sites(hlo_text: str) -> list[Site]:
             found.append(
                 Site(
                     kind=kind[0],
+                    name=instr.name,
                     dtype=dtype,
                     bytes=nbytes,
                     computation=cname,

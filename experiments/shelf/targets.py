@@ -104,6 +104,16 @@ class Target:
 
         return math.prod(int(d) for d in self.topology.split(":")[-1].split("x"))
 
+    @property
+    def chips_per_host(self) -> int:
+        """The chips one node holds (a GPU target's ``<hosts>x<gpus per host>``); a TPU target is
+        one slice, its chips all on the ICI."""
+        return int(self.topology.split("x")[-1]) if self.kind == "gpu" else self.n_chips
+
+    @property
+    def hosts(self) -> int:
+        return self.n_chips // self.chips_per_host
+
 
 # Published per-chip figures (vendor data sheets): dense bf16 peak, HBM, and one direction of
 # the chip's links (TPU: ICI, all links; GPU: NVLink 4/5, 450/900 GB/s per direction).
@@ -114,6 +124,7 @@ TARGETS = {
     "v5p-64": Target("v5p-64", "tpu", "v5p:4x4x4", 95 * GB, 459e12, 2765 * GB, 600 * GB),
     "v6e-8": Target("v6e-8", "tpu", "v6e:2x4", 32 * GB, 918e12, 1640 * GB, 400 * GB),
     "h100-8": Target("h100-8", "gpu", "1x8", H100.device_memory_size, 989e12, H100.memory_bandwidth, 450 * GB, H100),
+    "h100-16": Target("h100-16", "gpu", "2x8", H100.device_memory_size, 989e12, H100.memory_bandwidth, 450 * GB, H100),
     "h100-64": Target("h100-64", "gpu", "8x8", H100.device_memory_size, 989e12, H100.memory_bandwidth, 450 * GB, H100),
     "h200-8": Target("h200-8", "gpu", "1x8", H200.device_memory_size, 989e12, H200.memory_bandwidth, 450 * GB, H200),
     "b200-8": Target("b200-8", "gpu", "1x8", B200.device_memory_size, 2250e12, B200.memory_bandwidth, 900 * GB, B200),
