@@ -201,7 +201,7 @@ def make_train_step(
     take_embeddings: bool = False,
     rngs: nnx.Rngs | None = None,
     overlap: bool = True,
-    scan_blocks: bool = True,
+    scan_blocks: bool | None = None,
 ) -> TrainStep:
     """The sharded train step of ``loss_fn(model, batch)`` (see the module docstring).
 
@@ -249,13 +249,15 @@ def make_train_step(
       overlap: True (the default): on GPUs, XLA's collective pipelining hides each layer's
         gathers and gradient collectives behind the neighbouring layer's compute (as
         ``qsdp_jax.make_train_step``). False: the compiler's defaults.
-      scan_blocks: True (the default): resharded blocks called one after the other on each
-        other's output (``for block in self.blocks: x = block(x, mask)``), alike in their
-        parameters, run as one ``lax.scan`` with one compiled body per distinct block graph (a
-        local and a global attention layer), so compile time no longer grows with the block
-        count; the same values and gradients up to XLA's fusion choices (the rule:
-        ``qsdp_jax._src.nnx_chain``). False: every block call unrolled. Only with
-        ``reshard_after_forward``.
+      scan_blocks: True: resharded blocks called one after the other on each other's output
+        (``for block in self.blocks: x = block(x, mask)``), alike in their parameters, run as
+        one ``lax.scan`` with one compiled body per distinct block graph (a local and a global
+        attention layer), so compile time no longer grows with the block count; the same
+        values and gradients up to XLA's fusion choices (the rule:
+        ``qsdp_jax._src.nnx_chain``). False: every block call unrolled. None (the default):
+        True, except on GPUs with ``overlap=True``, where XLA's collective pipelining of the
+        chain's loops cost more compile time than the chain saved
+        (``qsdp_jax._src.overlap.scan_blocks_default``). Only with ``reshard_after_forward``.
 
     Returns:
       The :class:`TrainStep`; metrics as ``qsdp_jax.make_train_step``.

@@ -81,3 +81,18 @@ def test_the_nnx_front_door_compiles_for_gpus_with_the_options():
         qnnx.make_eval_step(model, gpt_loss, mesh, config),
     ):
         assert "all-gather-start" in step.lower(state, batch).compile().as_text()
+
+
+def test_blocks_are_chained_by_default_except_under_the_gpu_pipelining():
+    from qsdp_jax._src.overlap import scan_blocks_default
+
+    mesh = q.make_mesh()  # XLA:CPU devices: no options, chained
+    assert scan_blocks_default(mesh, True) and scan_blocks_default(mesh, False)
+
+
+@pytest.mark.skipif(NO_CUDA, reason="the CUDA plugin is not installed")
+def test_gpu_blocks_are_unrolled_under_the_pipelining_and_chained_without_it():
+    from qsdp_jax._src.overlap import scan_blocks_default
+
+    mesh = q.make_mesh(devices=targets.devices(targets.TARGETS["h100-8"]))
+    assert not scan_blocks_default(mesh, True) and scan_blocks_default(mesh, False)

@@ -54,9 +54,9 @@ def _tpu_kernels(doc: dict) -> str:
 
 
 def _aot(doc: dict) -> str:
-    from experiments.bench.aot import overlap_table, table
+    from experiments.bench.aot import nodes_table, overlap_table, table
 
-    return table(doc["rows"]) + "\n\n" + overlap_table(doc["rows"])
+    return table(doc["rows"]) + "\n\n" + overlap_table(doc["rows"]) + "\n\n" + nodes_table(doc["rows"])
 
 
 def _network(doc: dict) -> str:

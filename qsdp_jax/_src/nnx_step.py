@@ -25,7 +25,7 @@ from qsdp_jax._src.nnx_reshard import can_reshard_any
 from qsdp_jax._src.nnx_scan import StepContext
 from qsdp_jax._src.nnx_summary import summary_table, warn_whole
 from qsdp_jax._src.nnx_tree import ModelDef, describe, in_mode, mode_differences
-from qsdp_jax._src.overlap import compiler_options
+from qsdp_jax._src.overlap import compiler_options, scan_blocks_default
 from qsdp_jax.config import check_config
 from qsdp_jax.kernels.compile_errors import kernel_failures_explained
 
@@ -92,7 +92,7 @@ class TrainStep:
         take_embeddings=False,
         rngs=None,
         overlap=True,
-        scan_blocks=True,
+        scan_blocks=None,
     ):
         check_config(config)
         if not callable(loss_fn):
@@ -108,7 +108,7 @@ class TrainStep:
         # reshard only where it can apply: a train step with a group called as a module
         self.reshard = reshard_after_forward and not evaluate and can_reshard_any(graph, self.mdef)
         self.take_embeddings = take_embeddings
-        self.scan_blocks = scan_blocks
+        self.scan_blocks = scan_blocks_default(mesh, overlap) if scan_blocks is None else scan_blocks
         self.rngs = None if rngs is None else CallRngs(rngs)  # passed to loss_fn as rngs=
         self.record: dict[str, str] = {}
         self._jitted = jax.jit(
