@@ -56,11 +56,20 @@ def cpu_boundary(fn, *args):
         closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*a)
         flat, tree = jax.tree_util.tree_flatten(shapes)
         taken = lambda *x: jax.tree_util.tree_unflatten(tree, jax_core.jaxpr_as_fun(closed)(*x))  # noqa: E731
-        zeros = lambda *x: jax.tree_util.tree_unflatten(tree, [jnp.zeros(s.shape, s.dtype) for s in flat])  # noqa: E731
+        zeros = lambda *x: jax.tree_util.tree_unflatten(tree, [_zeros_like(v) for v in closed.out_avals])  # noqa: E731
         first = jax.tree_util.tree_leaves(a)[0].reshape(-1)[0].astype(jnp.int32)
         return lax.cond((first | 1) != 0, taken, zeros, *jax.tree_util.tree_leaves(a))
 
     return lax.platform_dependent(*args, cpu=split, default=fn)
+
+
+def _zeros_like(aval) -> jax.Array:
+    """Zeros of ``aval``'s shape and dtype, varying over the same manual mesh axes (inside a
+    ``shard_map`` that checks them, a cond's branches must agree)."""
+    z = jnp.zeros(aval.shape, aval.dtype)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10 (ShapedArray.vma before it)
+    vma = tuple(sorted(manual.varying)) if manual is not None else tuple(getattr(aval, "vma", ()) or ())
+    return lax.pcast(z, vma, to="varying") if vma else z
 
 
 def to_payload(qt: qz.QTensor, split: bool = False, stats_dtype: str = "float32") -> jax.Array:
