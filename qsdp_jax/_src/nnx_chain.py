@@ -41,6 +41,7 @@ from flax import nnx
 from jax import lax
 
 from qsdp_jax._src.nnx_active import params_untouched
+from qsdp_jax._src.nnx_reshard import module_with
 from qsdp_jax._src.nnx_stacks import node_at
 
 
@@ -186,21 +187,12 @@ def _run(ctx, chain: Chain, flat: list, tree) -> list:
 
 def _branch(graphdef, pstate, rstate, orig, flat: list, tree, carry: int):
     """One block's call as a function of its gathered weights, the carry and the array inputs."""
-    ppaths = [p for p, _ in nnx.to_flat_state(pstate)]
-    variables = dict(nnx.to_flat_state(pstate))
 
     def run(full, x, dyn):
         leaves = [d if d is not None else s for d, s in zip(dyn, flat)]
         leaves[carry] = x
         call_args, call_kwargs = jax.tree_util.tree_unflatten(tree, leaves)
-        params = nnx.from_flat_state([(p, variables[p].replace(_at(full, p))) for p in ppaths])
-        out = orig(nnx.merge(graphdef, params, rstate), *call_args, **call_kwargs)
+        out = orig(module_with(graphdef, pstate, full, rstate), *call_args, **call_kwargs)
         return out.astype(x.dtype)
 
     return run
-
-
-def _at(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree

@@ -91,18 +91,14 @@ def call_resharded(ctx, group, module, orig, args: tuple, kwargs: dict) -> Any:
     where = [i for i, x in enumerate(flat) if isinstance(x, (jax.Array, np.ndarray))]
     with params_untouched():  # the split reads every variable; the parameters come gathered
         graphdef, pstate, rstate = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
-    ppaths = [p for p, _ in nnx.to_flat_state(pstate)]
     rpaths = [p for p, _ in nnx.to_flat_state(rstate)]
 
     def run(full, dyn, state):
-        # a copy of the module made in this trace (NNX updates variables only in their own
-        # trace), holding the gathered weights and the given model state
         leaves = list(flat)
         for i, x in zip(where, dyn):
             leaves[i] = x
         call_args, call_kwargs = jax.tree_util.tree_unflatten(tree, leaves)
-        params = _state(pstate, [(p, _at(full, p)) for p in ppaths])
-        copy = nnx.merge(graphdef, params, _state(rstate, list(zip(rpaths, state))))
+        copy = module_with(graphdef, pstate, full, _state(rstate, list(zip(rpaths, state))))
         out = orig(copy, *call_args, **call_kwargs)
         return out, [v.get_raw_value() for _, v in non_params(copy)]
 
@@ -114,6 +110,14 @@ def call_resharded(ctx, group, module, orig, args: tuple, kwargs: dict) -> Any:
     if ctx.recorder is not None:  # the first trace: which calls chain (nnx_chain)
         ctx.recorder.add(group.name, args, kwargs, out, ctx.access.signature(group.name), not rpaths)
     return out
+
+
+def module_with(graphdef, pstate, full, rstate) -> nnx.Module:
+    """A copy of a module, made in this trace (NNX updates variables only in their own trace):
+    ``graphdef`` holding the gathered weights ``full`` (a tree by the parameters' paths) in
+    ``pstate``'s variables, and the model state ``rstate``."""
+    params = _state(pstate, [(p, _at(full, p)) for p, _ in nnx.to_flat_state(pstate)])
+    return nnx.merge(graphdef, params, rstate)
 
 
 def _at(tree, path):
