@@ -42,6 +42,7 @@ from qsdp_jax._src.payload_codec import (  # noqa: F401  (re-exported for caller
 from qsdp_jax._src.gather_pair import make_coded_gather, make_gather, make_gather_pieces  # noqa: F401  (re-exported)
 from qsdp_jax._src.packing import gather_each_piece
 from qsdp_jax._src.payload import (  # noqa: F401  (the wire format; re-exported for callers of collectives)
+    all_to_all_words,
     cpu_boundary,
     dequantize_rows,
     from_payload,
@@ -205,7 +206,7 @@ def quantized_reduce_scatter(
         rows,
         bucket=bucket,
     )
-    received = lax.all_to_all(payload, axis_name, 0, 0, tiled=False)  # (N, payload)
+    received = all_to_all_words(payload, axis_name)  # (N, payload)
     summed = qk.select(
         kernels,
         lambda p: dequantize_rows(p, chunk, bits, bucket, summed=True, stats_dtype=sd),  # (N, payload) -> (chunk,)
@@ -224,8 +225,8 @@ def quantized_reduce_scatter(
 def reduce_scatter_fp(full: jax.Array, *, axis_name: str, dtype: str = "float32") -> jax.Array:
     """Plain reduce-scatter (sum) in float32 or bfloat16; float32 result.
 
-    float32 is XLA's reduce-scatter. bfloat16 is an ``all_to_all`` of the bf16 chunks (bitcast
-    to uint16, see :func:`all_gather_fp`) summed in float32: the same bytes as a bf16
+    float32 is XLA's reduce-scatter. bfloat16 is an ``all_to_all`` of the bf16 chunks (as
+    uint32 words, :func:`all_to_all_words`) summed in float32: the same bytes as a bf16
     reduce-scatter, with a float32 sum.
 
     Args:
@@ -241,7 +242,7 @@ def reduce_scatter_fp(full: jax.Array, *, axis_name: str, dtype: str = "float32"
         return lax.psum_scatter(full.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
     num = lax.axis_size(axis_name)
     wire = lax.bitcast_convert_type(full.astype(jnp.bfloat16), jnp.uint16).reshape(num, -1)
-    got = lax.all_to_all(wire, axis_name, 0, 0, tiled=False)
+    got = all_to_all_words(wire, axis_name)
     return sum_rows(lax.bitcast_convert_type(got, jnp.bfloat16).astype(jnp.float32))
 
 

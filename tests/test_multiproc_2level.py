@@ -1,6 +1,8 @@
 """2 processes x 4 CPU devices (jax.distributed, gloo) train to the same losses as 1 process x
-8 devices, for fp32 and QSDP W8G8 on a 1-D mesh and on a ("node", "local") mesh where each
-process is a node (there W8G8 with 4-bit gradients across nodes: both levels quantized).
+8 devices, for QSDP W8G8 on a 1-D mesh and for fp32 and W8G8 on a ("node", "local") mesh where
+each process is a node (there W8G8 with 4-bit gradients across nodes: both levels quantized).
+(fp32 across processes on the 1-D mesh also runs in tests/test_bench_network.py, not compared
+bit for bit; it was a case here until the suite's time budget.)
 
 The comparison is bitwise: the gathers and all-to-alls only move bytes, the dequantize-sums
 run on each device in a fixed order, and the remaining fp32 reductions (reduce-scatter of fp32
@@ -14,7 +16,6 @@ from experiments.shelf.multiproc import run_processes
 HIER = {"node": 2, "local": 4}
 H = dict(node_axis="node", axis_name="local")
 CASES = [
-    {"mesh_axes": "fsdp", "config": {"name": "fp32"}},
     {"mesh_axes": "fsdp", "config": {"name": "qsdp-W8G8"}},
     {"mesh_axes": HIER, "config": {"name": "fp32", **H}},
     {"mesh_axes": HIER, "config": {"name": "qsdp-W8G8", "inter_grad_bits": 4, **H}},
@@ -59,4 +60,4 @@ def test_quantized_two_level_differs_from_fp32(runs):
     """The equality above is not vacuous: each config has its own losses."""
     _, one = runs
     second = [r["losses"][1] for r in one[0]["runs"]]
-    assert second[0] != second[1] and second[2] != second[3]
+    assert len(set(second)) == len(second)

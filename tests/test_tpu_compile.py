@@ -65,7 +65,8 @@ def _toy_step(topology, kernels, weights, grads, bucket=128):
 def test_train_step_compiles_for_v5e_with_the_pallas_kernels(weights, grads):
     """CI's smoke compile: the fp32 and the QSDP W8G8 step for a v5e:2x2 slice, with
     ``kernels="pallas"``: the W8G8 program holds the Mosaic kernels (the encode of the weights,
-    the gradients' quantize+pack, the decode, the sum), fp32 none; both give a memory analysis."""
+    the gradients' quantize+pack, the decode, the sum) and sends its gradient payloads as 32-bit
+    words, fp32 none; both give a memory analysis."""
     compiled = _toy_step("v5e:2x2", "pallas", weights, grads)
     text = compiled.as_text()
     calls = text.count('custom_call_target="tpu_custom_call"')
@@ -74,6 +75,15 @@ def test_train_step_compiles_for_v5e_with_the_pallas_kernels(weights, grads):
     else:
         for name in ("qsdp_quantize_pack_grid_8b", "qsdp_quantize_pack_stochastic_8b", "qsdp_unpack_dequantize"):
             assert name in text, name
+        # the gradients' all-to-all moves 32-bit words on TPU (payload.all_to_all_words: XLA:TPU
+        # compiles a uint8 all-to-all in time linear in its size)
+        a2a = [
+            line.split("all-to-all")[0]
+            for line in text.splitlines()
+            if "all-to-all(" in line or "all-to-all-start(" in line
+        ]
+        assert a2a and all("u32[" in lhs and "u8[" not in lhs for lhs in a2a), a2a
+    assert " conditional(" not in text  # cpu_boundary's conditional folds away off the CPU
     assert compiled.memory_analysis().temp_size_in_bytes > 0
 
 

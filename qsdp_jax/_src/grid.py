@@ -29,6 +29,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from qsdp_jax import kernels as qk
 from qsdp_jax._src import policy
+from qsdp_jax._src.alike import opaque_ints
 from qsdp_jax._src import quantizers as qz
 from qsdp_jax._src.payload import cpu_boundary
 from qsdp_jax.layout import ParamLayout, leaf_spec
@@ -210,10 +211,9 @@ def project(leaves: Sequence[jax.Array], geos: Sequence[LeafGrid], config, count
     sub = [geos[i] for i in idx]
 
     def fn(shard, blocks):
-        out = [
-            _project_block(x, g, config, qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i), shard, rounding)
-            for x, g, i in zip(blocks, sub, idx)
-        ]
+        # the leaf index as a value XLA cannot see: one key kernel for every leaf (on XLA:CPU)
+        keys = [qz.derive_key(config.seed, PURPOSE_WEIGHT, count, i) for i in opaque_ints(idx, jnp.asarray(count))]
+        out = [_project_block(x, g, config, k, shard, rounding) for x, g, k in zip(blocks, sub, keys)]
         return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
 
     values, scales, offsets = per_device(fn, sub, "l", "lgg", [leaves[i] for i in idx])

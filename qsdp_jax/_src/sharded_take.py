@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qsdp_jax._src.payload import all_to_all_words
+
 
 @dataclasses.dataclass(frozen=True)
 class Split:
@@ -122,7 +124,7 @@ def _take_fwd(block, values, ids, split: Split):
         rows = jnp.where(_expand(valid, rows), rows, jnp.full((), jnp.nan, rows.dtype))
         return rows, local
     rows = jnp.take(values, ids_all, axis=0)  # every device's rows, my columns
-    got = lax.all_to_all(rows, split.axes, 0, 0, tiled=False)  # got[i]: device i's columns of mine
+    got = all_to_all_words(rows, split.axes)  # got[i]: device i's columns of mine
     at = ids.ndim + split.dim - 1  # the split dimension in a row of ids.shape + row shape
     got = jnp.moveaxis(got, 0, at)
     shape = got.shape[:at] + (got.shape[at] * got.shape[at + 1],) + got.shape[at + 2 :]
