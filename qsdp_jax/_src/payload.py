@@ -85,15 +85,27 @@ def all_to_all_words(x: jax.Array, axis_name) -> jax.Array:
 
 
 def _all_to_all_as_words(x: jax.Array, axis_name) -> jax.Array:
-    per = 4 // jnp.dtype(x.dtype).itemsize
-    rows = x.reshape(x.shape[0], -1)
-    pad = (-rows.shape[1]) % per
+    # Word j of a row holds element j of each of the row's ``per`` equal parts (the row padded
+    # to whole words), put together with shifts: a bitcast of a (..., 4) uint8 array would
+    # hold a minor dimension of 4, which TPU layouts pad to 128 (the W8G8 Gemma 3 270M step's
+    # v5p peak went 4.9 -> 31.5 GB with it).
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}[jnp.dtype(x.dtype).itemsize]
+    per = 4 // jnp.dtype(unsigned).itemsize
+    rows = lax.bitcast_convert_type(x, unsigned).reshape(x.shape[0], -1)
+    width = rows.shape[1]
+    pad = (-width) % per
     if pad:
         rows = jnp.pad(rows, ((0, 0), (0, pad)))
-    words = lax.bitcast_convert_type(rows.reshape(rows.shape[0], -1, per), jnp.uint32)
+    q = rows.shape[1] // per
+    shift = 32 // per
+    words = rows[:, :q].astype(jnp.uint32)
+    for k in range(1, per):
+        words = words | (rows[:, k * q : (k + 1) * q].astype(jnp.uint32) << jnp.uint32(k * shift))
     got = lax.all_to_all(words, axis_name, 0, 0, tiled=False)
-    back = lax.bitcast_convert_type(got, x.dtype).reshape(rows.shape)
-    return (back[:, : rows.shape[1] - pad] if pad else back).reshape(x.shape)
+    mask = jnp.uint32((1 << shift) - 1)
+    parts = [((got >> jnp.uint32(k * shift)) & mask).astype(unsigned) for k in range(per)]
+    back = jnp.concatenate(parts, axis=1)[:, :width]
+    return lax.bitcast_convert_type(back.reshape(x.shape), x.dtype)
 
 
 def _zeros_like(aval) -> jax.Array:
