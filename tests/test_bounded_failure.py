@@ -18,7 +18,7 @@ from qsdp_jax.checkpoint import Checkpointer
 from qsdp_jax.watchdog import StepWatchdog
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS, BOUND, SAVE_TIMEOUT = 200, 8.0, 3.0
+STEPS, BOUND, SAVE_TIMEOUT = 60, 8.0, 3.0  # the kill lands at step 12 or so; the restart runs the rest
 
 
 def _launch(out: Path, tag: str) -> list[subprocess.Popen]:
