@@ -225,9 +225,9 @@ def quantized_reduce_scatter(
 def reduce_scatter_fp(full: jax.Array, *, axis_name: str, dtype: str = "float32") -> jax.Array:
     """Plain reduce-scatter (sum) in float32 or bfloat16; float32 result.
 
-    float32 is XLA's reduce-scatter. bfloat16 is an ``all_to_all`` of the bf16 chunks (as
-    uint32 words, :func:`all_to_all_words`) summed in float32: the same bytes as a bf16
-    reduce-scatter, with a float32 sum.
+    float32 is XLA's reduce-scatter. bfloat16 is an ``all_to_all`` of the bf16 chunks (bitcast
+    to uint16, see :func:`all_gather_fp`; on TPU as uint32 words, :func:`all_to_all_words`)
+    summed in float32: the same bytes as a bf16 reduce-scatter, with a float32 sum.
 
     Args:
       full: this device's full 1-D buffer, its length a multiple of the size of ``axis_name``.

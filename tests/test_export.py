@@ -63,14 +63,16 @@ def _axes_groups(mesh, axes: list[str]) -> str:
     return str(groups.tolist())
 
 
-def u8_collectives(mesh, module: str) -> set[tuple[str, str]]:
-    """``(op, replica groups)`` of every all_gather / all_to_all with a ui8 operand or result.
-    jax <= 0.10 writes the groups as ``dense<[[...]]>``, jax 0.11 as the mesh axes they span
-    (``replica_group_mesh_axes<mesh = @m, axes = [#stablehlo.axis_ref<name = "x">]>``)."""
+def u8_collectives(mesh, module: str, platform: str = "cuda") -> set[tuple[str, str]]:
+    """``(op, replica groups)`` of every all_gather / all_to_all with a ui8 operand or result
+    (on ``platform="tpu"`` the all_to_alls' ui8 payloads go as ui32 words:
+    ``payload.all_to_all_words``). jax <= 0.10 writes the groups as ``dense<[[...]]>``, jax 0.11
+    as the mesh axes they span (``replica_group_mesh_axes<mesh = @m, axes = [#stablehlo.axis_ref<name = "x">]>``)."""
     found = set()
     for line in module.splitlines():
         m = re.search(r'"stablehlo\.(all_gather|all_to_all)"', line)
-        if m and "ui8>" in line:
+        words = platform == "tpu" and m is not None and m.group(1) == "all_to_all"
+        if m and ("ui32>" if words else "ui8>") in line:
             dense = re.search(r"replica_groups = dense<(\[\[.*?\]\])>", line)
             axes = re.search(r"replica_groups = #stablehlo\.replica_group_mesh_axes<[^>]*axes = \[(.*?)\]>", line)
             if dense:
@@ -86,7 +88,7 @@ def u8_collectives(mesh, module: str) -> set[tuple[str, str]]:
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("case", ["1d-qsdp", "hier-qsdp", "hybrid-qsdp", "hier-fp32", "1d-codes", "hier-codes"])
 def test_train_step_exports_with_packed_collectives(case, platform):
-    got = u8_collectives(*_export(case, platform))
+    got = u8_collectives(*_export(case, platform), platform=platform)
     if case in ("1d-qsdp", "1d-codes"):
         assert got == {("all_gather", WHOLE), ("all_to_all", WHOLE)}
     elif case == "hier-codes":  # the stored codes cross nodes, then are forwarded inside

@@ -133,7 +133,7 @@ def test_two_level_trainer_step_exports_for_tpu_and_cuda():
     for platform in ("tpu", "cuda"):
         exported = jax.export.export(trainer.step_fn, platforms=[platform])(trainer.state, batch)
         assert exported.platforms == (platform,)
-        ops = u8_collectives(trainer.mesh, exported.mlir_module())
+        ops = u8_collectives(trainer.mesh, exported.mlir_module(), platform=platform)
         inter, intra = "[[0, 4], [1, 5], [2, 6], [3, 7]]", "[[0, 1, 2, 3], [4, 5, 6, 7]]"
         for kind in ("all_to_all", "all_gather"):  # gradients, weights: packed u8 at both levels
             assert (kind, inter) in ops and (kind, intra) in ops, (kind, ops)
