@@ -19,7 +19,7 @@ from qsdp_jax.checkpoint import Checkpointer
 from tests.trainer_flags import trainer_flags
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = 64  # long enough that no life finishes the run before its kill lands
+STEPS = 32  # long enough that no life finishes the run before its kill lands (5 lives: 14 steps, seen)
 KILLS = 5
 ARGS = trainer_flags(
     min_shard_size=256,

@@ -101,7 +101,7 @@ def test_all_to_all_as_words_holds_no_padded_buffer_on_tpu(monkeypatch, grad_dty
 
     devices = tpu_devices("v5e:2x2")
     mesh = Mesh(np.array(devices), ("x",))
-    n = len(devices) * 128 * 1024 + 8 * 1024  # whole buckets per device, rows not whole words
+    n = len(devices) * 128 * 1024 + 8 * 1024  # per device: one chunk of 130 whole buckets per peer
 
     def body(full, key):
         if grad_dtype == "uint8":
