@@ -94,3 +94,22 @@ def wait_for(predicate, timeout_s: float, procs=()) -> None:
             assert p.poll() is None, f"a process exited early with status {p.returncode}"
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+PORT_TAKEN = "choose another port"  # the trainer's message when its coordinator port is taken
+
+
+def run_trainers(tmp_path: Path, extra: list[list[str]], timeout_s: float, tries: int = 3, **kw) -> list[int | None]:
+    """:func:`start_trainers` then :func:`wait_all`, on a fresh port again (up to ``tries``) when
+    process 0 found its port taken: ``find_free_port`` cannot reserve it, and another test's
+    processes took one between the check and the bind under ``pytest -n 2``."""
+    for _ in range(tries - 1):
+        procs = start_trainers(tmp_path, extra, **kw)
+        try:
+            procs[0].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        if procs[0].poll() is None or PORT_TAKEN not in (tmp_path / f"{kw.get('tag', 'p')}0.log").read_text():
+            return wait_all(procs, timeout_s)
+        wait_all(procs, 0.1)  # process 0 lost the port: end the others, try another
+    return wait_all(start_trainers(tmp_path, extra, **kw), timeout_s)

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import time
 
-from tests.cluster_procs import start_trainers, wait_all
+from tests.cluster_procs import run_trainers
 
 
 def test_different_settings_stop_every_process_naming_them(tmp_path):
     out = tmp_path / "run"
-    procs = start_trainers(
+    t0 = time.monotonic()
+    codes = run_trainers(
         tmp_path,
         [["--out", str(out), "--lr", "3e-3"], ["--out", str(out), "--lr", "1e-2", "--seed", "1", "--weight-bits", "4"]],
+        60,
     )
-    t0 = time.monotonic()
-    codes = wait_all(procs, 60)
     took = time.monotonic() - t0
     logs = [(tmp_path / f"p{k}.log").read_text() for k in range(2)]
     print(f"both processes exited {codes} after {took:.1f} s (from their start)")
@@ -36,8 +36,7 @@ def test_an_error_on_process_0_alone_stops_both(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "old.txt").write_text("x")
-    procs = start_trainers(tmp_path, [["--out", str(out)], ["--out", str(out)]])
-    codes = wait_all(procs, 60)
+    codes = run_trainers(tmp_path, [["--out", str(out)], ["--out", str(out)]], 60)
     logs = [(tmp_path / f"p{k}.log").read_text() for k in range(2)]
     assert codes == [2, 2], logs
     for text in logs:
