@@ -41,8 +41,8 @@ from qsdp_jax._src.payload_codec import (  # noqa: F401  (re-exported for caller
 )
 from qsdp_jax._src.gather_pair import make_coded_gather, make_gather, make_gather_pieces  # noqa: F401  (re-exported)
 from qsdp_jax._src.packing import gather_each_piece
+from qsdp_jax._src.tpu_wire import all_gather_rows, all_to_all_words
 from qsdp_jax._src.payload import (  # noqa: F401  (the wire format; re-exported for callers of collectives)
-    all_to_all_words,
     cpu_boundary,
     dequantize_rows,
     from_payload,
@@ -115,7 +115,7 @@ def all_gather_payload(payload, n, *, bits, bucket, axis_name, kernels="auto", s
     """The second half of :func:`quantized_all_gather`: ``all_gather`` a built uint8 payload of
     ``n`` elements (e.g. code-held weights' stored codes and grid) and dequantize every sender's
     part; the float32 full buffer."""
-    gathered = lax.all_gather(payload, axis_name, axis=0, tiled=False)  # (N, payload)
+    gathered = all_gather_rows(payload, axis_name)  # (N, payload)
     return dequantize_payloads(gathered, n, bits=bits, bucket=bucket, kernels=kernels, stats_dtype=stats_dtype)
 
 
@@ -123,7 +123,8 @@ def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -
     """Plain all-gather in float32 or bfloat16 (weights cast for the wire); float32 result.
 
     bfloat16 travels bitcast to uint16: XLA's CPU backend otherwise widens bf16 collectives to
-    f32, and the bytes on the wire would not be the ones the baseline claims.
+    f32, and the bytes on the wire would not be the ones the baseline claims. On TPU a 1-D
+    shard's part is padded for the wire (:func:`qsdp_jax._src.tpu_wire.all_gather_rows`).
 
     Args:
       shard: this device's shard (gathered along its first axis).
@@ -135,9 +136,9 @@ def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -
       The float32 concatenation of every device's shard along the first axis, in device order.
     """
     if dtype == "float32":
-        return lax.all_gather(shard.astype(jnp.float32), axis_name, axis=0, tiled=True)
+        return all_gather_rows(shard.astype(jnp.float32), axis_name, tiled=True)
     wire = lax.bitcast_convert_type(shard.astype(jnp.bfloat16), jnp.uint16)
-    got = lax.all_gather(wire, axis_name, axis=0, tiled=True)
+    got = all_gather_rows(wire, axis_name, tiled=True)
     return lax.bitcast_convert_type(got, jnp.bfloat16).astype(jnp.float32)
 
 
@@ -365,7 +366,7 @@ class GatherSpec:
         """:meth:`gather_pieces` of a built payload of ``n`` elements (code-held weights send
         their stored codes and grid as they are)."""
         assert self.weight_bits is not None  # a payload holds codes
-        rows = lax.all_gather(payload, self.axis_name, axis=0, tiled=False)  # (N, payload)
+        rows = all_gather_rows(payload, self.axis_name)  # (N, payload)
         kw = dict(bits=self.weight_bits, bucket=self.bucket, kernels=self.kernels, stats_dtype=self.stats_dtype)
         return dequantize_spans(rows, n, spans, **kw)
 

@@ -28,7 +28,10 @@ collective-permute     operand (= result)               ``B`` (0 if no pair move
 
 How the HLO is read: see :mod:`qsdp_jax._src.hlo_reader` (loops multiply by their known trip count,
 every branch of a conditional counts, async collectives count once at their start); the model
-above is applied to each collective in :mod:`qsdp_jax._src.wire_model`.
+above is applied to each collective in :mod:`qsdp_jax._src.wire_model`. A program compiled for
+several TPU slices sends what crosses the slices to the megascale runtime (``send`` / ``recv``
+host transfers): each is read as the collective it implements, over the slices, counted at its
+``send`` (``opcode == "send"``, no replica groups; :mod:`qsdp_jax._src.hlo_megascale`).
 
 Bytes per mesh axis
 -------------------
@@ -42,8 +45,9 @@ Limitations
 -----------
 * The model ignores latency, algorithm choice (tree / 2-D / NVLS), and the
   cross-replica-and-partition mode where a group of replicas spans several partitions.
-* ``ragged-all-to-all``, ``collective-broadcast``, ``send`` and ``recv`` are not modelled; they
-  are reported in ``warnings``.
+* ``ragged-all-to-all``, ``collective-broadcast`` and device-to-device ``send`` / ``recv`` are
+  not modelled; they are reported in ``warnings``. Host transfers other than the megascale ones
+  are skipped.
 * On CPU, XLA upcasts bf16/f16 collectives to f32 (the HLO shows ``f32`` all-gathers of
   converted bf16 data); the report shows what the compiled program moves.
 """

@@ -29,6 +29,8 @@ def make_mesh(axes: str | Mapping[str, int] = "fsdp", devices: Sequence[jax.Devi
     axis are devices of the same process wherever they divide that way, so the outer axis is
     the one that crosses hosts (on CPU the devices are grouped by ``process_index``; on GPU/TPU
     JAX's ``mesh_utils.create_device_mesh`` / ``create_hybrid_device_mesh`` choose the order).
+    On several TPU slices (a multislice job) the outer axis crosses the slices, the data-center
+    network, whenever its size is a multiple of the slice count.
     A 1-D mesh from an axis name keeps the order of ``devices``. Uses ``AxisType.Auto`` (the
     classic style): shardings are given explicitly where they matter.
 
@@ -83,6 +85,9 @@ def _order_devices(devs: list, shape: tuple[int, ...]) -> np.ndarray:
     if devs[0].platform != "cpu":
         from jax.experimental import mesh_utils
 
+        nslices = len({getattr(d, "slice_index", 0) for d in devs})
+        if nslices > 1 and len(shape) == 2 and shape[0] % nslices == 0:  # TPU slices over DCN
+            return mesh_utils.create_hybrid_device_mesh((shape[0] // nslices, shape[1]), (nslices, 1), devs)
         nproc = len({d.process_index for d in devs})
         if nproc > 1 and len(shape) == 2 and shape[0] % nproc == 0:
             return mesh_utils.create_hybrid_device_mesh(

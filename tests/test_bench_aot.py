@@ -90,6 +90,84 @@ def test_schedule_reads_what_runs_between_start_and_done():
     assert summary["outside loops"]["collectives"] == 3 and summary["outside loops"]["hidden"] == 0
 
 
+TPU_CHAIN = """HloModule m, num_partitions=8
+
+%start_c (p: bf16[16]) -> (bf16[16], bf16[128]) {
+  %p = bf16[16]{0} parameter(0)
+  %ag1 = bf16[128]{0} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, metadata={op_name="jit(f)/transpose(jvp())/all_gather"}
+  ROOT %t = (bf16[16]{0}, bf16[128]{0}) tuple(%p, %ag1)
+}
+
+%step_c (p: bf16[16], q: bf16[128], x: f32[8,8]) -> (f32[8,8], bf16[16], bf16[128]) {
+  %p = bf16[16]{0} parameter(0)
+  %q = bf16[128]{0} parameter(1)
+  %x = f32[8,8]{1,0} parameter(2)
+  %ag2 = bf16[128]{0} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %d = f32[8,8]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (f32[8,8]{1,0}, bf16[16]{0}, bf16[128]{0}) tuple(%d, %p, %ag2)
+}
+
+%done_c (p: bf16[16], q: bf16[128]) -> bf16[128] {
+  %p = bf16[16]{0} parameter(0)
+  %q = bf16[128]{0} parameter(1)
+  ROOT %ag3 = bf16[128]{0} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+}
+
+%node_c (p: bf16[128]) -> (bf16[128], bf16[256]) {
+  %p = bf16[128]{0} parameter(0)
+  %ag4 = bf16[256]{0} all-gather(%p), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}
+  ROOT %t = (bf16[128]{0}, bf16[256]{0}) tuple(%p, %ag4)
+}
+
+ENTRY %main (a: bf16[16], x: f32[8,8]) -> (f32[8,8], bf16[256]) {
+  %a = bf16[16]{0} parameter(0)
+  %x = f32[8,8]{1,0} parameter(1)
+  %async-collective-start = (bf16[16]{0}, bf16[128]{0}) fusion(%a), kind=kCustom, calls=%start_c
+  %g0 = bf16[16]{0} get-tuple-element(%async-collective-start), index=0
+  %g1 = bf16[128]{0} get-tuple-element(%async-collective-start), index=1
+  %fusion.1 = (f32[8,8]{1,0}, bf16[16]{0}, bf16[128]{0}) fusion(%g0, %g1, %x), kind=kOutput, calls=%step_c
+  %h0 = bf16[16]{0} get-tuple-element(%fusion.1), index=1
+  %h1 = bf16[128]{0} get-tuple-element(%fusion.1), index=2
+  %mm = f32[8,8]{1,0} get-tuple-element(%fusion.1), index=0
+  %async-collective-done = bf16[128]{0} fusion(%h0, %h1), kind=kCustom, calls=%done_c
+  %across = (bf16[128]{0}, bf16[256]{0}) fusion(%async-collective-done), kind=kCustom, calls=%node_c
+  %n1 = bf16[256]{0} get-tuple-element(%across), index=1
+  %tok = token[] after-all()
+  %send.1 = (bf16[256]{0}, u32[], token[]) send(%n1, %tok), channel_id=9, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="all-gather.9_0"}
+  %recv.1 = (bf16[512]{0}, u32[], token[]) recv(%tok), channel_id=10, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="all-gather.9_0"}
+  %mm2 = f32[8,8]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %send-done.1 = token[] send-done(%send.1), channel_id=9, is_host_transfer=true
+  ROOT %o = (f32[8,8]{1,0}, bf16[256]{0}) tuple(%mm2, %n1)
+}
+"""
+
+
+def test_xla_tpu_async_collective_fusion_is_one_collective_hidden_behind_its_steps():
+    """XLA:TPU's async collective fusion (libtpu's async collective options) runs one all-gather
+    in steps over a start fusion, a matmul fusion carrying a step, and a done fusion, each
+    holding the same all-gather: the schedule reads one asynchronous all-gather with the matmul
+    between its start and done, comm_report counts its bytes once; the all-gather over other
+    replica groups that takes the done's result is a collective of its own (synchronous); what
+    crosses TPU slices is a megascale send, hidden by the matmul before its send-done."""
+    from qsdp_jax import comm
+
+    found = schedule.sites(TPU_CHAIN)
+    assert [(s.kind, s.bytes, s.asynchronous, s.hidden) for s in found] == [
+        ("all-gather", 256, True, True),
+        ("all-gather", 512, False, False),
+        ("all-gather", 512, True, True),  # between two slices: a megascale send, a dot before its done
+    ]
+    assert found[0].backward and (found[0].compute_between, found[0].matmuls_between) == (1, 1)
+    report = comm.comm_report_from_hlo(TPU_CHAIN, num_devices=8)
+    got = sorted((c.kind, c.group_size, c.opcode, c.bytes_on_wire) for c in report.collectives)
+    assert got == [
+        ("all-gather", 2, "all-gather", 256.0),
+        ("all-gather", 2, "send", 512.0),
+        ("all-gather", 8, "all-gather", 224.0),
+    ]
+    assert report.warnings == ()
+
+
 def test_gpu_target_config_names_the_chip():
     """The GpuTargetConfigProto text holds the spec's figures and only fields jaxlib 0.10 parses
     (no feature_extension, no per-unit rates)."""
@@ -166,6 +244,16 @@ def test_the_two_level_model_prices_node_spanning_collectives_at_the_inter_node_
     assert m["step_s"] == pytest.approx(2.25e-3)
     slow = aot.node_model(target, flops, report, hidden, 100)
     assert slow["exposed_comm_s"] == pytest.approx(4e-3 + 1e-3)
+
+
+def test_two_tpu_slices_are_the_two_levels_priced_at_the_data_center_network():
+    """v5p-8x2: two v5p:2x2x2 slices, each a node of the two-level model, joined at DCN's 50 Gb/s
+    per chip; with libtpu, its 16 compile-only devices come slice by slice."""
+    target = targets.TARGETS["v5p-8x2"]
+    assert (target.n_chips, target.hosts, target.chips_per_host, target.inter_gbps) == (16, 2, 8, (50,))
+    assert targets.TARGETS["v5p-8"].hosts == 1 and targets.TARGETS["h100-16"].inter_gbps == (100, 400)
+    if importlib.util.find_spec("libtpu") is not None:
+        assert [d.slice_index for d in targets.devices(target)] == [0] * 8 + [1] * 8
 
 
 def test_a_2level_scheme_is_a_node_local_mesh_and_only_for_our_steps():

@@ -171,7 +171,7 @@ def test_fp_collectives_match_lax(mesh):
 def test_all_to_all_as_words_moves_the_same_bits(mesh, dtype, width):
     """TPU's all-to-all of 8/16-bit rows as uint32 words (:func:`all_to_all_words`), run here on
     CPU: the same bits as ``lax.all_to_all``, rows padded to whole words or not."""
-    from qsdp_jax._src.payload import _all_to_all_as_words
+    from qsdp_jax._src.tpu_wire import _all_to_all_as_words
 
     if dtype == jnp.bfloat16:  # finite: XLA:CPU's own bf16 all-to-all canonicalises NaN bits
         x = jax.random.normal(jax.random.key(3), (N * N, 2, width)).astype(dtype)
@@ -185,6 +185,27 @@ def test_all_to_all_as_words_moves_the_same_bits(mesh, dtype, width):
     got = run(lambda r: _all_to_all_as_words(r, AXIS))
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
     assert not np.array_equal(np.asarray(want).view(np.uint8), np.asarray(x).view(np.uint8))  # it moved
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.float32])
+@pytest.mark.parametrize("width, tiled", [(300, False), (300, True), (5, True)])
+def test_all_gather_padded_for_tpu_moves_the_same_bits(mesh, dtype, width, tiled):
+    """TPU's all-gather with each device's part padded to a multiple of 128 elements
+    (``tpu_wire.all_gather_rows``: XLA:TPU runs an unaligned one as an all-reduce), run here on
+    CPU: the same result as ``lax.all_gather``."""
+    from qsdp_jax._src.tpu_wire import _padded
+
+    x = jax.random.bits(jax.random.key(4), (N * width,), jnp.uint32).astype(dtype)
+    out = P() if tiled else P(None)
+
+    def run(fn):
+        return _smap(mesh, fn, P(AXIS), out)(x)
+
+    want = run(lambda r: lax.all_gather(r, AXIS, axis=0, tiled=tiled))
+    got = run(lambda r: _padded(r, lambda v: lax.all_gather(v, AXIS, axis=0, tiled=False)))
+    got = got.reshape(-1) if tiled else got
+    chex.assert_trees_all_equal(got, want)
+    assert want.shape == ((N * width,) if tiled else (N, width))
 
 
 def _quantized_rs(mesh, full, bits, keys, rounding="stochastic"):
@@ -351,5 +372,6 @@ def test_unquantized_gather_pieces_gather_each_piece_alone(mesh, name):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(g_got), np.asarray(g_want))
     hlo = _smap(mesh, pieces_only, P(AXIS), [P(AXIS)] * 2).lower(x).compile().as_text()
-    gathered = sorted(int(m) for m in re.findall(r"= [a-z0-9]+\[(\d+)\]\{[^}]*\} all-gather\(", hlo))
+    dims = re.findall(r"= [a-z0-9]+\[([\d,]+)\]\{[^}]*\} all-gather\(", hlo)  # [552] or [8,69]
+    gathered = sorted(int(np.prod([int(d) for d in m.split(",")])) for m in dims)
     assert gathered == [N * (BUCKET + 5), N * 2 * BUCKET], gathered

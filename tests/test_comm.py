@@ -535,3 +535,37 @@ def test_a_tpu_reduce_scatter_fusion_counts_as_a_reduce_scatter():
     )
     c = _only(comm_report_from_hlo(hlo))
     assert (c.kind, c.payload_bytes, c.bytes_on_wire) == ("reduce-scatter", 256, 224.0)
+
+
+def _megascale(op: str, shape: str, rendezvous: str, channel: int) -> str:
+    attrs = f'_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="{rendezvous}"'
+    arg = "%x, %tok" if op == "send" else "%tok"
+    return (
+        f"  %{op}.{channel} = ({shape}, u32[], token[]) {op}({arg}), channel_id={channel}, "
+        f"is_host_transfer=true, frontend_attributes={{{attrs}}}\n"
+    )
+
+
+def test_collectives_between_tpu_slices_are_read_from_the_megascale_sends():
+    """XLA:TPU compiled for several slices sends what crosses them as host transfers to the
+    megascale runtime, the rendezvous naming the collective: counted once, at the send, over
+    the slice count read from the all-gather's recv (3 parts): an all-gather sends its 64-byte
+    part to 2 other slices, an all-to-all 2/3 of its 3 chunks, an all-reduce twice 2/3 of its
+    buffer; recvs and the dones add nothing."""
+    body = (
+        "  %x = u8[1,64]{1,0} parameter(0)\n  %tok = token[] after-all()\n"
+        + _megascale("send", "u8[1,64]{1,0}", "all-gather.8_0", 1)
+        + _megascale("recv", "u8[3,64]{1,0}", "all-gather.8_0", 2)
+        + "  %sd = token[] send-done(%send.1), channel_id=1, is_host_transfer=true\n"
+        + _megascale("send", "u32[3,16]{1,0}", "all_to_all.55_0", 3)
+        + _megascale("send", "f32[24]{0}", "all-reduce.29_0", 4)
+        + "  ROOT %r = f32[] constant(0)"
+    )
+    report = comm_report_from_hlo(_module(body))
+    got = {(c.kind, c.dtype, c.group_size, c.opcode, c.payload_bytes, c.bytes_on_wire) for c in report.collectives}
+    assert got == {
+        ("all-gather", "u8", 3, "send", 64, 128.0),
+        ("all-to-all", "u32", 3, "send", 192, 128.0),
+        ("all-reduce", "f32", 3, "send", 96, 128.0),
+    }
+    assert report.warnings == ()

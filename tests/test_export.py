@@ -66,7 +66,7 @@ def _axes_groups(mesh, axes: list[str]) -> str:
 def u8_collectives(mesh, module: str, platform: str = "cuda") -> set[tuple[str, str]]:
     """``(op, replica groups)`` of every all_gather / all_to_all with a ui8 operand or result
     (on ``platform="tpu"`` the all_to_alls' ui8 payloads go as ui32 words:
-    ``payload.all_to_all_words``). jax <= 0.10 writes the groups as ``dense<[[...]]>``, jax 0.11
+    ``tpu_wire.all_to_all_words``). jax <= 0.10 writes the groups as ``dense<[[...]]>``, jax 0.11
     as the mesh axes they span (``replica_group_mesh_axes<mesh = @m, axes = [#stablehlo.axis_ref<name = "x">]>``)."""
     found = set()
     for line in module.splitlines():

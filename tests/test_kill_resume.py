@@ -20,7 +20,7 @@ from tests.trainer_flags import trainer_flags
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 32  # long enough that no life finishes the run before its kill lands (5 lives: 14 steps, seen)
-KILLS = 5
+KILLS = 4
 ARGS = trainer_flags(
     min_shard_size=256,
     lr="1e-2",

@@ -22,10 +22,11 @@ pick on that chip (Pallas on TPU, the jnp reference on GPU). Read from the compi
 * a **modelled step time**, labelled as a model: compute = training FLOPs (6 x parameters x
   tokens, x 8/6 with the rematerialised forward, plus attention) over the chip's peak bf16 rate,
   plus the exposed collectives' bytes over the link bandwidth. Its inputs are printed with it.
-  On a target of several nodes (``h100-16``: 2 x 8 H100) a **two-level model** for each
-  inter-node bandwidth of ``INTER_GBPS`` (per GPU, one direction: one NIC per GPU): a
-  collective whose replica groups span nodes moves its bytes at that bandwidth, one inside a
-  node at NVLink's (a ring's slowest link sets its pace); the collectives hidden behind a
+  On a target of several nodes (``h100-16``: 2 x 8 H100; ``v5p-8x2``: two v5p slices) a
+  **two-level model** for each inter-node bandwidth of the target's ``inter_gbps`` (per chip,
+  one direction: one NIC per GPU; a TPU slice's data-center network): a collective whose
+  replica groups span nodes (slices) moves its bytes at that bandwidth, one inside a node at
+  NVLink's (ICI's) rate (a ring's slowest link sets its pace); the collectives hidden behind a
   matmul overlap the compute, so the step is ``max(compute, hidden comm) + exposed comm``.
 
 Writes ``experiments/results/aot.json`` after every row (a run resumes where it stopped: rows
@@ -57,7 +58,6 @@ from experiments.shelf.wire_bytes import formula_bytes, gpt_collective_counts
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "aot.json"
 DEFAULT_HLO = Path(__file__).resolve().parents[2] / ".aot_hlo"  # not committed (.gitignore)
 MB = 1e6
-INTER_GBPS = (100, 400)  # inter-node link per GPU, Gb/s, of the two-level model
 
 
 def _kernels(target: Target, scheme: str) -> str | None:
@@ -165,7 +165,7 @@ def count(row: dict, text: str) -> dict:
     target = TARGETS[row["target"]]
     flops = model_flops(row["model"], row["tokens"])
     if target.hosts > 1:
-        row = {**row, "model_time_nodes": [node_model(target, flops, report, sites, g) for g in INTER_GBPS]}
+        row = {**row, "model_time_nodes": [node_model(target, flops, report, sites, g) for g in target.inter_gbps]}
     return {
         **row,
         "wire_bytes": wire,
@@ -257,9 +257,10 @@ def nodes_table(rows: list[dict]) -> str:
             )
     lines += [
         "",
-        "A MODEL, not a measurement: per GPU, inter-node bytes at the stated Gb/s (one NIC per GPU, one",
-        "direction), intra-node bytes at NVLink's 450 GB/s; compute = training FLOPs / peak bf16;",
-        "step = max(compute, comm hidden behind a matmul in the schedule) + exposed comm.",
+        "A MODEL, not a measurement: per chip, bytes between nodes (GPU: one NIC per GPU; TPU: slices over the",
+        "data-center network) at the stated Gb/s, one direction; inside a node (slice) at NVLink's 450 GB/s (v5p",
+        "ICI: 600 GB/s); compute = training FLOPs / peak bf16; step = max(compute, comm hidden behind a matmul",
+        "in the schedule) + exposed comm.",
     ]
     return "\n".join(lines)
 

@@ -3,8 +3,11 @@
 A scheduled HLO module (``compiled.as_text()`` of XLA:GPU or XLA:TPU) lists each computation's
 instructions in the order they run. An asynchronous collective is a ``*-start`` and a
 ``*-done`` (``all-gather-start``, ``all-reduce-start``, ``collective-permute-start``, or an
-``async-start`` wrapping a ``reduce-scatter`` / ``all-to-all``); what runs between them is what
-can hide its transfer. A synchronous collective (one instruction: what XLA:TPU and XLA:CPU
+``async-start`` wrapping a ``reduce-scatter`` / ``all-to-all``; with libtpu's async collective
+options, XLA:TPU's chain of fusions that run one collective in steps,
+:mod:`qsdp_jax._src.hlo_async_fusion`; between TPU slices, a megascale ``send`` and its
+``send-done``, :mod:`qsdp_jax._src.hlo_megascale`); what runs between them is what can hide
+its transfer. A synchronous collective (one instruction: what XLA:TPU and XLA:CPU
 print for most) hides behind nothing. For every collective this reads the kind, element type,
 bytes, the computation it runs in (a ``while`` body is a layer loop), whether it is in the
 backward pass (JAX names transposed operations ``transpose(...)`` in the metadata), and the
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from qsdp_jax._src import hlo_async_fusion, hlo_megascale
 from qsdp_jax._src.hlo_reader import HloModule, _attr_value, _Instr, parse_module
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -48,7 +52,7 @@ class Site:
         return self.matmuls_between > 0
 
 
-def _kind(opcode: str, instr: _Instr, wrapped: dict[str, str]) -> tuple[str, bool] | None:
+def _kind(opcode: str, instr: _Instr, wrapped: dict[str, _Instr]) -> tuple[str, bool] | None:
     """(collective kind, asynchronous) of an instruction that starts a collective, else None."""
     if opcode in COLLECTIVES:
         return opcode, False
@@ -57,19 +61,19 @@ def _kind(opcode: str, instr: _Instr, wrapped: dict[str, str]) -> tuple[str, boo
     if opcode == "async-start":
         callee = (_attr_value(instr.attrs, "calls") or "").lstrip("%")
         if callee in wrapped:
-            return wrapped[callee], True
+            return wrapped[callee].opcode, True
     return None
 
 
-def _wrapped_collectives(module: HloModule) -> dict[str, str]:
-    """The computations an ``async-start`` runs that hold a collective: name -> its kind."""
+def _wrapped_collectives(module: HloModule) -> dict[str, _Instr]:
+    """The computations an ``async-start`` runs that hold a collective: name -> the collective."""
     out = {}
     for instrs in module.computations.values():
         for i in instrs:
             callee = (_attr_value(i.attrs, "calls") or "").lstrip("%") if i.opcode == "async-start" else ""
-            kinds = [c.opcode for c in module.computations.get(callee, []) if c.opcode in COLLECTIVES]
-            if kinds:
-                out[callee] = kinds[0]
+            inner = [c for c in module.computations.get(callee, []) if c.opcode in COLLECTIVES]
+            if inner:
+                out[callee] = inner[0]
     return out
 
 
@@ -133,37 +137,64 @@ def _leaf(shape) -> tuple[str, int]:
     return out.dtype, out.nbytes()
 
 
+def _started(instrs: list[_Instr], k: int, module: HloModule, wrapped: dict, chains: dict):
+    """``(kind, asynchronous, result shape, compute between start and done, the collective's
+    instruction)`` of the collective ``instrs[k]`` starts (an op, an async start, or the first
+    fusion of an XLA:TPU chain), else None."""
+    instr = instrs[k]
+    inner = hlo_async_fusion.fused_collective(instr, module)
+    if inner is not None:  # XLA:TPU: its done is the chain's last fusion; the steps between compute
+        last = [i.name for i in instrs].index(chains[instr.name][-1])
+        return inner.opcode, last > k, inner.shape, [i for i in instrs[k + 1 : last] if i.opcode in COMPUTE], inner
+    dcn = hlo_megascale.megascale_kind(instr) if instr.opcode == "send" else None
+    kind = (dcn, True) if dcn else _kind(instr.opcode, instr, wrapped)  # a send's done: its send-done
+    if kind is None:
+        return None
+    between = []
+    if kind[1]:
+        for later in instrs[k + 1 :]:
+            if later.opcode.endswith("-done") and any(n == instr.name for n, _ in later.operands):
+                break
+            if later.opcode in COMPUTE:
+                between.append(later)
+    callee = (_attr_value(instr.attrs, "calls") or "").lstrip("%")
+    op = wrapped.get(callee, instr)
+    return kind[0], kind[1], hlo_megascale.sent(instr) if dcn else op.shape, between, op
+
+
 def sites(hlo_text: str) -> list[Site]:
     """Every collective of the scheduled module ``hlo_text``, in program order per computation."""
     module = parse_module(hlo_text)
     wrapped, looped, matmuls = _wrapped_collectives(module), _in_loops(module), _matmul_computations(module)
+    fused = {  # what an XLA:TPU collective fusion calls: counted at the fusion, in its caller
+        (_attr_value(i.attrs, "calls") or "").lstrip("%")
+        for instrs in module.computations.values()
+        for i in instrs
+        if hlo_async_fusion.fused_collective(i, module) is not None
+    }
     found = []
     for cname, instrs in module.computations.items():
-        if cname in wrapped:
-            continue  # the inside of an async wrapper: counted at its async-start
+        if cname in wrapped or cname in fused:
+            continue  # the inside of an async wrapper or a fusion: counted where it starts
+        chains = hlo_async_fusion.chains(module, instrs)
+        steps = {n for chain in chains.values() for n in chain[1:]}
         for k, instr in enumerate(instrs):
-            kind = _kind(instr.opcode, instr, wrapped)
-            if kind is None:
+            started = None if instr.name in steps else _started(instrs, k, module, wrapped, chains)
+            if started is None:
                 continue
-            between = []
-            if kind[1]:
-                for later in instrs[k + 1 :]:
-                    if later.opcode.endswith("-done") and any(n == instr.name for n, _ in later.operands):
-                        break
-                    if later.opcode in COMPUTE:
-                        between.append(later)
-            m = _OP_NAME.search(instr.raw)
-            dtype, nbytes = _leaf(instr.shape)
+            kind, asynchronous, shape, between, op = started
+            m = _OP_NAME.search(op.raw)
+            dtype, nbytes = _leaf(shape)
             found.append(
                 Site(
-                    kind=kind[0],
+                    kind=kind,
                     name=instr.name,
                     dtype=dtype,
                     bytes=nbytes,
                     computation=cname,
                     in_loop=cname in looped,
                     backward=bool(m and "transpose(" in m.group(1)),
-                    asynchronous=kind[1],
+                    asynchronous=asynchronous,
                     compute_between=len(between),
                     matmuls_between=sum(_is_matmul(i, matmuls) for i in between),
                 )

@@ -85,8 +85,10 @@ device_description_str: "{spec.name}"
 class Target:
     """One compile target: how to get its devices, and the figures the step-time model uses.
 
-    ``kind`` is ``"tpu"`` (``topology`` a libtpu topology name, e.g. ``"v5p:2x2x2"``) or
-    ``"gpu"`` (``gpu`` its spec, ``topology`` ``"<hosts>x<gpus per host>"``).
+    ``kind`` is ``"tpu"`` (``topology`` a libtpu topology name, e.g. ``"v5p:2x2x2"``, of each of
+    ``slices`` slices joined by the data-center network) or ``"gpu"`` (``gpu`` its spec,
+    ``topology`` ``"<hosts>x<gpus per host>"``). ``inter_gbps``: the bandwidths, per chip and
+    direction in Gb/s, at which the two-level model prices collectives between nodes or slices.
     """
 
     name: str
@@ -97,18 +99,20 @@ class Target:
     hbm_bytes_per_s: float
     link_bytes_per_s: float  # per chip, one direction: ICI inside a slice, NVLink inside a node
     gpu: GpuSpec | None = None
+    slices: int = 1
+    inter_gbps: tuple[float, ...] = (100, 400)
 
     @property
     def n_chips(self) -> int:
         import math
 
-        return math.prod(int(d) for d in self.topology.split(":")[-1].split("x"))
+        return self.slices * math.prod(int(d) for d in self.topology.split(":")[-1].split("x"))
 
     @property
     def chips_per_host(self) -> int:
-        """The chips one node holds (a GPU target's ``<hosts>x<gpus per host>``); a TPU target is
-        one slice, its chips all on the ICI."""
-        return int(self.topology.split("x")[-1]) if self.kind == "gpu" else self.n_chips
+        """The chips of one node of the two-level model: a GPU target's ``<gpus per host>``; a
+        TPU target's slice, its chips all on the ICI."""
+        return int(self.topology.split("x")[-1]) if self.kind == "gpu" else self.n_chips // self.slices
 
     @property
     def hosts(self) -> int:
@@ -116,12 +120,15 @@ class Target:
 
 
 # Published per-chip figures (vendor data sheets): dense bf16 peak, HBM, and one direction of
-# the chip's links (TPU: ICI, all links; GPU: NVLink 4/5, 450/900 GB/s per direction).
+# the chip's links (TPU: ICI, all links; GPU: NVLink 4/5, 450/900 GB/s per direction). Between
+# nodes: 100 and 400 Gb/s per GPU (one NIC per GPU); between TPU slices the data-center network's
+# 50 Gb/s per v5p chip (Cloud TPU's v5p page: "DCN bandwidth per chip (Gbps) 50").
 TARGETS = {
     "v5e-4": Target("v5e-4", "tpu", "v5e:2x2", 16 * GB, 197e12, 819 * GB, 200 * GB),
     "v5e-8": Target("v5e-8", "tpu", "v5e:2x4", 16 * GB, 197e12, 819 * GB, 200 * GB),
     "v5p-8": Target("v5p-8", "tpu", "v5p:2x2x2", 95 * GB, 459e12, 2765 * GB, 600 * GB),
     "v5p-64": Target("v5p-64", "tpu", "v5p:4x4x4", 95 * GB, 459e12, 2765 * GB, 600 * GB),
+    "v5p-8x2": Target("v5p-8x2", "tpu", "v5p:2x2x2", 95 * GB, 459e12, 2765 * GB, 600 * GB, slices=2, inter_gbps=(50,)),
     "v6e-8": Target("v6e-8", "tpu", "v6e:2x4", 32 * GB, 918e12, 1640 * GB, 400 * GB),
     "h100-8": Target("h100-8", "gpu", "1x8", H100.device_memory_size, 989e12, H100.memory_bandwidth, 450 * GB, H100),
     "h100-16": Target("h100-16", "gpu", "2x8", H100.device_memory_size, 989e12, H100.memory_bandwidth, 450 * GB, H100),
@@ -131,8 +138,9 @@ TARGETS = {
 }
 
 
-def tpu_devices(topology: str) -> list:
-    """The compile-only devices of the TPU topology ``topology`` (e.g. ``"v5e:2x2"``).
+def tpu_devices(topology: str, slices: int = 1) -> list:
+    """The compile-only devices of ``slices`` slices of the TPU topology ``topology`` (e.g.
+    ``"v5e:2x2"``), slice by slice (each device's ``slice_index`` says which).
 
     libtpu's one-process lock (``/tmp/libtpu_lockfile``) is turned off for this process
     (``ALLOW_MULTIPLE_LIBTPU_LOAD=1``): compiling needs no chip, and a second process (a test
@@ -142,7 +150,10 @@ def tpu_devices(topology: str) -> list:
     from jax.experimental import topologies
 
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    if slices == 1:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, num_slices=slices)
+    return sorted(desc.devices, key=lambda d: (d.slice_index, d.id))
 
 
 def devices(target: Target) -> list:
@@ -150,7 +161,7 @@ def devices(target: Target) -> list:
     from jax.experimental import topologies
 
     if target.kind == "tpu":
-        return tpu_devices(target.topology)
+        return tpu_devices(target.topology, target.slices)
     assert target.gpu is not None
     config = gpu_target_config(target.gpu)  # topology: 1 slice x hosts x GPUs per host
     desc = topologies.get_topology_desc(target.name, "cuda", target_config=config, topology=f"1x{target.topology}")

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
+from qsdp_jax._src.tpu_wire import padded_rows
 from qsdp_jax._src import quantizers as qz
 from qsdp_jax._src.packing import gather_each_piece, split_flat
 from qsdp_jax.collectives import (
@@ -136,8 +137,12 @@ def two_level_all_gather(
 def forward_rows(payload, *, outer_axis, inner_axis) -> jax.Array:
     """A payload gathered across nodes, then forwarded as it is inside the node: every device's
     payload, node-major ``(N * L, P)``."""
-    across = lax.all_gather(payload, outer_axis, axis=0, tiled=False)  # (N, P)
-    both = lax.all_gather(across, inner_axis, axis=0, tiled=False)  # (L, N, P)
+
+    def gather(p):
+        across = lax.all_gather(p, outer_axis, axis=0, tiled=False)  # (N, P)
+        return lax.all_gather(across, inner_axis, axis=0, tiled=False)  # (L, N, P)
+
+    both = padded_rows(payload, gather)  # on TPU padded for the wire (tpu_wire)
     return jnp.swapaxes(both, 0, 1).reshape(-1, both.shape[-1])  # (N * L, P)
 
 

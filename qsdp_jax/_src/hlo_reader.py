@@ -27,7 +27,9 @@ How the HLO is read
   async-wrapped ``reduce-scatter`` / ``all-to-all`` (result ``((operands), outputs, ...)``).
   ``*-done`` / ``*-update`` ops are never counted and their ``calls=`` are not followed. A
   generic ``async-start(...), calls=%wrapped`` is followed into ``%wrapped``, whose synchronous
-  collective is then counted as usual.
+  collective is then counted as usual. XLA:TPU's async collective fusion runs one collective in
+  steps over a chain of fusions (:mod:`qsdp_jax._src.hlo_async_fusion`): only the chain's first
+  fusion is followed.
 * Sizes come from the shapes printed in the HLO. An operand printed as ``%name`` only (JAX 0.10 /
   current XLA) is looked up in a table of every instruction's result shape; inline operand
   shapes (``f32[8]{0} %x``, older printers) are read directly. If an operand cannot be found

@@ -9,6 +9,8 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from qsdp_jax._src.hlo_async_fusion import continued
+from qsdp_jax._src.hlo_megascale import megascale_kind, slice_count
 from qsdp_jax._src.hlo_trip import inferred_trip_count
 from qsdp_jax._src.hlo_reader import (
     _UNMODELED,
@@ -79,6 +81,7 @@ class CollectiveSite:
     trip_count_known: bool
     local: dict
     shapes: dict
+    slices: int | None = None  # a collective between TPU slices (hlo_megascale): the slices it spans
 
 
 def _call_graph(module: HloModule) -> tuple[dict, list[str]]:
@@ -86,8 +89,13 @@ def _call_graph(module: HloModule) -> tuple[dict, list[str]]:
     comps = module.computations
     edges: dict[str, list[tuple[str, int | None, str, _Instr]]] = {}  # a DAG in valid HLO
     for cname, instrs in comps.items():
+        steps = continued(module, instrs)  # XLA:TPU's later steps of one fused async collective
         edges[cname] = [
-            (callee, f, kind, ins) for ins in instrs for callee, f, kind in _callees(ins, module) if callee in comps
+            (callee, f, kind, ins)
+            for ins in instrs
+            if ins.name not in steps
+            for callee, f, kind in _callees(ins, module)
+            if callee in comps
         ]
     order: list[str] = []  # post-order from the entry
     seen = {module.entry}
@@ -152,9 +160,19 @@ def collective_sites(module: HloModule, strict: bool = False) -> tuple[list[Coll
             shapes_global.setdefault(ins.name, ins.shape)
 
     sites: list[CollectiveSite] = []
+    slices = None
     for c in reversed(order):
         local = {ins.name: ins.shape for ins in comps[c]}
         for ins in comps[c]:
+            dcn = megascale_kind(ins)
+            if dcn is not None:  # XLA:TPU between slices: counted at the send
+                if slices is None:
+                    slices = slice_count(module) or 2
+                    if slice_count(module) is None:
+                        warnings.append("collectives between TPU slices: the slice count was not read; 2 assumed")
+                if ins.opcode == "send":
+                    sites.append(CollectiveSite(ins, dcn, False, mult[c], known[c], local, shapes_global, slices))
+                continue
             if ins.opcode in _UNMODELED and not (
                 ins.opcode in ("send", "recv") and "is_host_transfer=true" in ins.attrs
             ):

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qsdp_jax._src.payload import all_to_all_words
+from qsdp_jax._src.tpu_wire import all_to_all_words
 
 
 @dataclasses.dataclass(frozen=True)

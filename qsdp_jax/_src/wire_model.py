@@ -15,6 +15,7 @@ from fractions import Fraction
 from typing import Any
 
 from qsdp_jax._src.hlo_reader import _attr_value, _Tuple, parse_replica_groups
+from qsdp_jax._src.hlo_megascale import dcn_fields
 from qsdp_jax._src.hlo_sites import CollectiveSite
 
 
@@ -41,6 +42,22 @@ def site_collectives(site: CollectiveSite, num_devices: int, warnings: list[str]
     """
     ins, kind, is_start = site.instr, site.kind, site.is_async_start
     count, known, local, global_ = site.count, site.trip_count_known, site.local, site.shapes
+    if site.slices is not None:  # between TPU slices, a megascale send (hlo_megascale)
+        payload, wire, dtype = dcn_fields(ins, kind, site.slices, count)
+        return [
+            dict(
+                kind=kind,
+                dtype=dtype,
+                bytes_on_wire=wire,
+                group_size=site.slices,
+                count=count,
+                payload_bytes=payload,
+                name=ins.name,
+                computation=ins.computation,
+                opcode=ins.opcode,
+                trip_count_known=known,
+            )
+        ]
     if kind == "all-reduce" and ins.computation.startswith("all-reduce-scatter"):
         # XLA:TPU prints a reduce-scatter as a fusion calling %all-reduce-scatter*: an all-reduce
         # then each device's dynamic slice, which the chip runs as one reduce-scatter
