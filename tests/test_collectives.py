@@ -187,13 +187,13 @@ def test_all_to_all_as_words_moves_the_same_bits(mesh, dtype, width):
     assert not np.array_equal(np.asarray(want).view(np.uint8), np.asarray(x).view(np.uint8))  # it moved
 
 
-@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.float32])
-@pytest.mark.parametrize("width, tiled", [(300, False), (300, True), (5, True)])
-def test_all_gather_padded_for_tpu_moves_the_same_bits(mesh, dtype, width, tiled):
-    """TPU's all-gather with each device's part padded to a multiple of 128 elements
-    (``tpu_wire.all_gather_rows``: XLA:TPU runs an unaligned one as an all-reduce), run here on
-    CPU: the same result as ``lax.all_gather``."""
-    from qsdp_jax._src.tpu_wire import _padded
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.uint16, jnp.float32])
+@pytest.mark.parametrize("width, tiled", [(300, False), (300, True), (5, True), (1024, True)])
+def test_all_gather_as_tpu_words_moves_the_same_bits(mesh, dtype, width, tiled):
+    """TPU's all-gather with each device's part as uint32 words, a multiple of 128 of them
+    (``tpu_wire.all_gather_rows``: XLA:TPU runs an unaligned one as an all-reduce, and no uint8
+    one asynchronously), run here on CPU: the same result as ``lax.all_gather``."""
+    from qsdp_jax._src.tpu_wire import _as_words
 
     x = jax.random.bits(jax.random.key(4), (N * width,), jnp.uint32).astype(dtype)
     out = P() if tiled else P(None)
@@ -202,7 +202,7 @@ def test_all_gather_padded_for_tpu_moves_the_same_bits(mesh, dtype, width, tiled
         return _smap(mesh, fn, P(AXIS), out)(x)
 
     want = run(lambda r: lax.all_gather(r, AXIS, axis=0, tiled=tiled))
-    got = run(lambda r: _padded(r, lambda v: lax.all_gather(v, AXIS, axis=0, tiled=False)))
+    got = run(lambda r: _as_words(r, lambda v: lax.all_gather(v, AXIS, axis=0, tiled=False)))
     got = got.reshape(-1) if tiled else got
     chex.assert_trees_all_equal(got, want)
     assert want.shape == ((N * width,) if tiled else (N, width))

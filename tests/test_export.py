@@ -65,14 +65,12 @@ def _axes_groups(mesh, axes: list[str]) -> str:
 
 def u8_collectives(mesh, module: str, platform: str = "cuda") -> set[tuple[str, str]]:
     """``(op, replica groups)`` of every all_gather / all_to_all with a ui8 operand or result
-    (on ``platform="tpu"`` the all_to_alls' ui8 payloads go as ui32 words:
-    ``tpu_wire.all_to_all_words``). jax <= 0.10 writes the groups as ``dense<[[...]]>``, jax 0.11
+    (on ``platform="tpu"`` the ui8 payloads go as ui32 words: ``tpu_wire``). jax <= 0.10 writes the groups as ``dense<[[...]]>``, jax 0.11
     as the mesh axes they span (``replica_group_mesh_axes<mesh = @m, axes = [#stablehlo.axis_ref<name = "x">]>``)."""
     found = set()
     for line in module.splitlines():
         m = re.search(r'"stablehlo\.(all_gather|all_to_all)"', line)
-        words = platform == "tpu" and m is not None and m.group(1) == "all_to_all"
-        if m and ("ui32>" if words else "ui8>") in line:
+        if m and ("ui32>" if platform == "tpu" else "ui8>") in line:
             dense = re.search(r"replica_groups = dense<(\[\[.*?\]\])>", line)
             axes = re.search(r"replica_groups = #stablehlo\.replica_group_mesh_axes<[^>]*axes = \[(.*?)\]>", line)
             if dense:

@@ -66,8 +66,8 @@ def _toy_step(topology, kernels, weights, grads, bucket=128):
 def test_train_step_compiles_for_v5e_with_the_pallas_kernels(weights, grads):
     """CI's smoke compile: the fp32 and the QSDP W8G8 step for a v5e:2x2 slice, with
     ``kernels="pallas"``: the W8G8 program holds the Mosaic kernels (the encode of the weights,
-    the gradients' quantize+pack, the decode, the sum), sends its gradient payloads as 32-bit
-    words and gathers its weights' codes as uint8, fp32 none; both give a memory analysis."""
+    the gradients' quantize+pack, the decode, the sum) and sends its gradient payloads and its
+    weights' codes as 32-bit words, fp32 none; both give a memory analysis."""
     compiled = _toy_step("v5e:2x2", "pallas", weights, grads)
     text = compiled.as_text()
     calls = text.count('custom_call_target="tpu_custom_call"')
@@ -84,11 +84,12 @@ def test_train_step_compiles_for_v5e_with_the_pallas_kernels(weights, grads):
             if "all-to-all(" in line or "all-to-all-start(" in line
         ]
         assert a2a and all("u32[" in lhs and "u8[" not in lhs for lhs in a2a), a2a
-        # the weights' codes travel in a u8 all-gather, not an all-reduce of the gathered buffer
-        # (what XLA:TPU makes of an all-gather whose per-device part is not a multiple of 128
-        # elements; tpu_wire.all_gather_rows pads the payloads)
+        # the weights' codes travel in an all-gather of u32 words, not an all-reduce of the
+        # gathered buffer (what XLA:TPU makes of an all-gather whose per-device part is not a
+        # multiple of 128 elements; tpu_wire.all_gather_rows pads the payloads)
         by = q.comm.comm_report_from_hlo(text, num_devices=4).by_kind_dtype()
-        assert by.get(("all-gather", "u8"), 0) > 0 and by.get(("all-reduce", "u32"), 0) < 1024, by
+        assert by.get(("all-gather", "u32"), 0) > 0 and by.get(("all-reduce", "u32"), 0) < 1024, by
+        assert ("all-gather", "u8") not in by, by
     assert " conditional(" not in text  # cpu_boundary's conditional folds away off the CPU
     assert compiled.memory_analysis().temp_size_in_bytes > 0
 
@@ -96,8 +97,8 @@ def test_train_step_compiles_for_v5e_with_the_pallas_kernels(weights, grads):
 def test_two_slices_make_the_outer_axis_and_their_two_level_step_compiles():
     """A multislice job (two v5e:2x2 slices over the data-center network): make_mesh puts the
     slices on the outer axis of ("node", "local"), so QSDP's inter-node stage is the one that
-    crosses the slices, and the two-level W8G8 step compiles for them: XLA:TPU sends the u8
-    weight codes and u32 gradient words between the slices as megascale host transfers
+    crosses the slices, and the two-level W8G8 step compiles for them: XLA:TPU sends the weight
+    codes and the gradients (as u32 words) between the slices as megascale host transfers
     (comm_report reads them, ``hlo_megascale``), and runs the rest inside each slice."""
     devices = tpu_devices("v5e:2x2", slices=2)
     assert [d.slice_index for d in devices] == [0] * 4 + [1] * 4
@@ -113,8 +114,8 @@ def test_two_slices_make_the_outer_axis_and_their_two_level_step_compiles():
     report = q.comm.comm_report_from_hlo(text, num_devices=8)
     across = {(c.kind, c.dtype, c.group_size) for c in report.collectives if c.opcode == "send"}
     inside = {(c.kind, c.dtype, c.replica_groups) for c in report.collectives if c.opcode != "send"}
-    assert {("all-gather", "u8", 2), ("all-to-all", "u32", 2)} <= across, across
-    assert {("all-gather", "u8", ((0, 1, 2, 3),)), ("all-to-all", "u32", ((0, 1, 2, 3),))} <= inside, inside
+    assert {("all-gather", "u32", 2), ("all-to-all", "u32", 2)} <= across, across
+    assert {("all-gather", "u32", ((0, 1, 2, 3),)), ("all-to-all", "u32", ((0, 1, 2, 3),))} <= inside, inside
 
 
 @pytest.mark.parametrize("grad_dtype", ["uint8", "bfloat16"])

@@ -12,7 +12,9 @@ is one more layer's gathered weights, held while the previous layer computes (GP
 fp32 799.8 -> 812.5 MB, W8G8 799.9 -> 810.2 MB per chip).
 
 The options are XLA:GPU's; on other platforms the step is compiled with the defaults (XLA:CPU
-runs collectives synchronously; XLA:TPU's flags are libtpu's own and not set here).
+runs collectives synchronously). libtpu's async collective options hid some of the fp32 step's
+gathers on v5p but none of W8G8's (docs/design.md, "XLA:TPU's async collectives"), so none are
+set for TPUs.
 """
 
 from __future__ import annotations
