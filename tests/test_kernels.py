@@ -74,6 +74,22 @@ def test_kernels_match_the_reference_bit_for_bit(bits, target):
         chex.assert_trees_all_equal(qk.unpack_dequantize_sum(packed, scales, offsets, bits, bucket, n, target=T), want)
 
 
+def test_the_tpu_sum_over_many_senders_takes_smaller_blocks_and_the_same_bits():
+    """The TPU sum's row block shrinks with the sender count so all senders' chunks fit one
+    grid step's VMEM (16 senders x 64 buckets failed to compile on v5p): the same blocks up to
+    8 senders, 32 buckets at 16, 8 at 64, whole 32-sublane tiles; in interpret mode the sum of
+    16 senders over several such blocks (and a partial one) is the reference's bit for bit."""
+    from qsdp_jax.kernels import _tpu
+
+    assert [_tpu.sum_row_block(1000, 1024, n, "mosaic_tpu") for n in (3, 8, 16, 64)] == [64, 64, 32, 8]
+    assert _tpu.sum_row_block(1000, 128, 64, "mosaic_tpu") == 64 and _tpu.sum_row_block(5, 1024, 64, "mosaic_tpu") == 5
+    bits, bucket, senders = 8, 1024, 16
+    x = _data((senders, 45 * bucket), seed=3)  # 45 buckets a sender: 32 + a partial block
+    packed, scales, offsets, values = _ref_quantize(x, qz.derive_key(1), bits=bits, bucket=bucket, rounding="nearest")
+    got = qk.unpack_dequantize_sum(packed, scales, offsets, bits, bucket, x.shape[-1], target="tpu_interpret")
+    chex.assert_trees_all_equal(got, jax.jit(qc.sum_rows)(values))
+
+
 @pytest.mark.parametrize("target", ["interpret", "tpu_interpret"])
 @pytest.mark.parametrize("bits,rounding,bucket", [(2, "shift", 64), (5, "stochastic", 4096)])
 def test_projection_snap_and_grid_pack_match_the_reference(bits, rounding, bucket, target):

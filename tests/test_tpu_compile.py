@@ -48,6 +48,15 @@ def test_every_kernel_compiles_for_each_tpu_generation(topology):
     assert len(rows) == 7 * 3 - 1  # no 1-bit shift rounding
 
 
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
+def test_the_sum_over_64_senders_compiles(topology):
+    """The gradient's dequantize-and-sum over the payloads of 64 devices (a v5p-64 pod's
+    reduce-scatter) within the scoped VMEM: 16 senders failed on v5p before the sum's blocks
+    shrank with the sender count."""
+    rows = tpu_kernels.compile_cases(topology, [("unpack_dequantize_sum", b, 1024) for b in (1, 8)], senders=64)
+    assert all(r["ok"] for r in rows), rows
+
+
 def _toy_step(topology, kernels, weights, grads, bucket=128):
     """The toy model's train step on a TPU topology, compiled ahead of time."""
     devices = tpu_devices(topology)

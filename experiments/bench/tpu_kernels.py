@@ -55,17 +55,17 @@ def cases(bits_list=range(1, 9), buckets=(1024,)) -> list[tuple[str, int, int]]:
     ]
 
 
-def _kernel_fn(kernel: str, bits: int, bucket: int):
-    """The jittable call of ``kernel`` and its abstract arguments."""
+def _kernel_fn(kernel: str, bits: int, bucket: int, senders: int = 3):
+    """The jittable call of ``kernel`` and its abstract arguments (``senders`` chunks)."""
     import jax
     import jax.numpy as jnp
 
     from qsdp_jax import kernels as qk
 
     n, t = ROWS_PER_CASE * bucket, "mosaic_tpu"
-    x = jax.ShapeDtypeStruct((3, n), jnp.float32)
-    stats = jax.ShapeDtypeStruct((3, ROWS_PER_CASE), jnp.float32)
-    packed = jax.ShapeDtypeStruct((3, n * bits // 8), jnp.uint8)
+    x = jax.ShapeDtypeStruct((senders, n), jnp.float32)
+    stats = jax.ShapeDtypeStruct((senders, ROWS_PER_CASE), jnp.float32)
+    packed = jax.ShapeDtypeStruct((senders, n * bits // 8), jnp.uint8)
     key = jnp.uint32(3)
     fns = {
         "quantize_pack_stochastic": (lambda v: qk.quantize_pack(v, bits, bucket, "stochastic", key, target=t), (x,)),
@@ -85,14 +85,15 @@ def _kernel_fn(kernel: str, bits: int, bucket: int):
     return fns[kernel]
 
 
-def compile_cases(topology: str, todo: list[tuple[str, int, int]]) -> list[dict]:
-    """Compile each case for the first device of ``topology``; one row per case."""
+def compile_cases(topology: str, todo: list[tuple[str, int, int]], senders: int = 3) -> list[dict]:
+    """Compile each case for the first device of ``topology`` (the sum over ``senders``
+    chunks: a step on ``senders`` devices); one row per case."""
     import jax
 
     device = tpu_devices(topology)[0]
     rows = []
     for kernel, bits, bucket in todo:
-        fn, args = _kernel_fn(kernel, bits, bucket)
+        fn, args = _kernel_fn(kernel, bits, bucket, senders)
         t0 = time.perf_counter()
         error = None
         try:

@@ -23,6 +23,7 @@ A bucket must be a multiple of 128 here (``_pallas.tpu_ok``); other buckets use 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -206,7 +207,7 @@ def dequantize(packed, scales, offsets, *, bits, bucket, num, target):
     scales and offsets -> float32 ``(rows, bucket)``, summed over ``num`` chunks (pairwise, in
     ``payload.sum_rows``'s order) when ``num`` is given."""
     rows, m = packed.shape[-2], bucket // LANES
-    rb = kp.row_block(rows, bucket, target)
+    rb = sum_row_block(rows, bucket, num, target) if num else kp.row_block(rows, bucket, target)
     lead = (num,) if num else ()
     specs = [_rows(rb * m, 16 * bits, lead), _rows(rb * m, 1, lead), _rows(rb * m, 1, lead)]
     kernel = functools.partial(_dequantize_kernel, bits=bits, num=num)
@@ -217,6 +218,21 @@ def dequantize(packed, scales, offsets, *, bits, bucket, num, target):
         packed.reshape(*lead, rows * m, 16 * bits), *stats
     )
     return out.reshape(rows, bucket)
+
+
+# Elements of all senders' chunks in one grid step of the sum: 8 senders x 64 buckets of 1024
+# compiled (v5e, v5p: about 9 MB of scoped VMEM); 16 senders x 64 needed 18.5 MB and failed
+# against v5p's 16 MB limit (CompileTimeScopedVmemOom).
+SUM_BLOCK_ELEMS = 1 << 19
+
+
+def sum_row_block(rows: int, bucket: int, num: int, target: str) -> int:
+    """Buckets per grid step of the sum over ``num`` senders: :func:`_pallas.row_block`'s, fewer
+    where all senders' chunks would pass :data:`SUM_BLOCK_ELEMS`, in whole 32-sublane tiles of
+    the ``(rows * m, 128)`` view (``m = bucket // 128`` rows a bucket)."""
+    tile = 32 // math.gcd(32, bucket // LANES)
+    fit = max(tile, SUM_BLOCK_ELEMS // (bucket * num) // tile * tile)
+    return min(kp.row_block(rows, bucket, target), fit, rows)
 
 
 def _rows(rb: int, width: int, lead: tuple[int, ...] = ()) -> pl.BlockSpec:
