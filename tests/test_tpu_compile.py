@@ -192,3 +192,10 @@ def test_other_errors_pass_unexplained():
     with pytest.raises(ZeroDivisionError):
         with compile_errors.kernel_failures_explained("TPU v4"):
             1 / 0
+
+
+@pytest.mark.parametrize("flags", [["--senders", "0"], ["--buckets", "100"]])
+def test_the_kernel_matrix_refuses_bad_input(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        tpu_kernels.main([*flags, "--out", "/nonexistent/never.json"])
+    assert e.value.code == 2 and flags[0] in capsys.readouterr().err

@@ -2,10 +2,12 @@
 
     python -m experiments.bench.tpu_kernels                      # v4, v5e, v5p, v6e; bits 1..8
     python -m experiments.bench.tpu_kernels --topologies v5e:2x2 --bits 4 8 --buckets 1024
+    python -m experiments.bench.tpu_kernels --senders 64 --out /tmp/tpu_kernels_64.json  # a 64-chip step's sum
 
 Needs libtpu (``pip install -e '.[aot-tpu]'``); no TPU. ``jax.experimental.topologies`` gives
 compile-only devices of a named topology, and each kernel (quantize+pack with stochastic and
-shift rounding, projection, grid pack, snap, unpack+dequantize, and its sum over 4 chunks) is
+shift rounding, projection, grid pack, snap, unpack+dequantize, and its sum over ``--senders``
+chunks, 3 by default) is
 jitted for one of them and compiled by Mosaic: a kernel that does not fit a generation's
 scoped VMEM, or uses an operation it lacks, fails here as it would on the chip. Writes
 ``experiments/results/tpu_kernels.json`` (one row per compile) and prints a table: ok/failed
@@ -136,13 +138,16 @@ def main(argv=None) -> int:
     p.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
     p.add_argument("--bits", nargs="+", type=int, default=list(range(1, 9)), choices=range(1, 9))
     p.add_argument("--buckets", nargs="+", type=int, default=[128, 1024, 4096])
+    p.add_argument("--senders", type=int, default=3, help="chunks the sum kernel adds: a step's device count")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if any(b <= 0 or b % 128 for b in args.buckets):
         p.error("--buckets must be positive multiples of 128 (smaller buckets use the reference on TPU)")
+    if args.senders < 1:
+        p.error(f"--senders must be a positive integer, got {args.senders}")
     rows = []
     for topo in args.topologies:
-        got = compile_cases(topo, cases(args.bits, args.buckets))
+        got = compile_cases(topo, cases(args.bits, args.buckets), args.senders)
         print(f"  {topo}: {sum(r['ok'] for r in got)}/{len(got)} compiled", file=sys.stderr, flush=True)
         rows += got
     text = table(rows)
