@@ -20,7 +20,7 @@ from fractions import Fraction
 
 from qsdp_jax._src.hlo_reader import KINDS, HloModule, _Instr, _Tuple
 
-__all__ = ["dcn_fields", "megascale_kind", "sent", "slice_count"]
+__all__ = ["dcn_terms", "megascale_kind", "sent", "slice_count"]
 
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]*)"')
 _FACTOR = {"all-to-all": (1, 1), "reduce-scatter": (1, 1), "all-reduce": (2, 1)}  # x (S-1)/S
@@ -58,16 +58,15 @@ def slice_count(module: HloModule) -> int | None:
     return None
 
 
-def dcn_fields(ins: _Instr, kind: str, slices: int, count: int) -> tuple[int, float, str]:
-    """``(payload bytes, bytes on the wire per step, dtype)`` of the megascale ``send`` ``ins``
-    of a ``kind`` collective over ``slices`` slices, run ``count`` times per step."""
+def dcn_terms(ins: _Instr, kind: str, slices: int) -> tuple[list, Fraction, int, tuple]:
+    """``(payload leaves, factor, group size, groups)`` of the megascale ``send`` ``ins`` of a
+    ``kind`` collective over ``slices`` slices: the bytes on the wire are the leaves' times the
+    factor (module docstring); no replica groups (it crosses every slice)."""
     arr = sent(ins)
-    payload = arr.nbytes() if arr is not None else 0
-    dtype = arr.dtype if arr is not None else "?"
     if kind == "all-gather":
         factor = Fraction(slices - 1)
     elif kind in _FACTOR:
         factor = Fraction(_FACTOR[kind][0] * (slices - 1), slices)
     else:  # collective-permute: what it sends
         factor = Fraction(1)
-    return payload, float(Fraction(payload * count) * factor), dtype
+    return (arr.leaves() if arr is not None else []), factor, slices, ()

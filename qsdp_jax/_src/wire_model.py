@@ -15,7 +15,7 @@ from fractions import Fraction
 from typing import Any
 
 from qsdp_jax._src.hlo_reader import _attr_value, _Tuple, parse_replica_groups
-from qsdp_jax._src.hlo_megascale import dcn_fields
+from qsdp_jax._src.hlo_megascale import dcn_terms
 from qsdp_jax._src.hlo_sites import CollectiveSite
 
 
@@ -40,24 +40,38 @@ def site_collectives(site: CollectiveSite, num_devices: int, warnings: list[str]
     Raises:
       ValueError: a collective without a result shape, or an async start of unexpected shape.
     """
-    ins, kind, is_start = site.instr, site.kind, site.is_async_start
-    count, known, local, global_ = site.count, site.trip_count_known, site.local, site.shapes
     if site.slices is not None:  # between TPU slices, a megascale send (hlo_megascale)
-        payload, wire, dtype = dcn_fields(ins, kind, site.slices, count)
-        return [
-            dict(
-                kind=kind,
-                dtype=dtype,
-                bytes_on_wire=wire,
-                group_size=site.slices,
-                count=count,
-                payload_bytes=payload,
-                name=ins.name,
-                computation=ins.computation,
-                opcode=ins.opcode,
-                trip_count_known=known,
-            )
-        ]
+        kind, (leaves, factor, n, groups) = site.kind, dcn_terms(site.instr, site.kind, site.slices)
+    else:
+        kind, leaves, factor, n, groups = _ring_terms(site, num_devices, warnings)
+    ins, count, known = site.instr, site.count, site.trip_count_known
+    by_dtype: dict[str, int] = {}
+    for leaf in leaves:
+        by_dtype[leaf.dtype] = by_dtype.get(leaf.dtype, 0) + leaf.nbytes()
+    by_dtype.pop("token", None)
+    return [
+        dict(
+            kind=kind,
+            dtype=dtype,
+            bytes_on_wire=float(Fraction(payload * count) * factor),
+            group_size=n,
+            count=count,
+            payload_bytes=payload,
+            name=ins.name,
+            computation=ins.computation,
+            opcode=ins.opcode,
+            trip_count_known=known,
+            replica_groups=groups,
+        )
+        for dtype, payload in by_dtype.items()
+    ]
+
+
+def _ring_terms(site: CollectiveSite, num_devices: int, warnings: list[str]):
+    """``(kind, payload leaves, factor, group size, groups)`` of a collective on the devices'
+    own links, by the table of :mod:`qsdp_jax.comm`."""
+    ins, kind, is_start = site.instr, site.kind, site.is_async_start
+    local, global_ = site.local, site.shapes
     if kind == "all-reduce" and ins.computation.startswith("all-reduce-scatter"):
         # XLA:TPU prints a reduce-scatter as a fusion calling %all-reduce-scatter*: an all-reduce
         # then each device's dynamic slice, which the chip runs as one reduce-scatter
@@ -104,23 +118,4 @@ def site_collectives(site: CollectiveSite, num_devices: int, warnings: list[str]
             if kind == "reduce-scatter":
                 leaves = [dataclasses.replace(a, dims=(*a.dims, n)) for a in outputs]
 
-    by_dtype: dict[str, int] = {}
-    for leaf in leaves:
-        by_dtype[leaf.dtype] = by_dtype.get(leaf.dtype, 0) + leaf.nbytes()
-    by_dtype.pop("token", None)
-    return [
-        dict(
-            kind=kind,
-            dtype=dtype,
-            bytes_on_wire=float(Fraction(payload * count) * factor),
-            group_size=n,
-            count=count,
-            payload_bytes=payload,
-            name=ins.name,
-            computation=ins.computation,
-            opcode=ins.opcode,
-            trip_count_known=known,
-            replica_groups=tuple(groups),
-        )
-        for dtype, payload in by_dtype.items()
-    ]
+    return kind, leaves, factor, n, tuple(groups)
