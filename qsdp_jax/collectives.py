@@ -123,8 +123,8 @@ def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -
     """Plain all-gather in float32 or bfloat16 (weights cast for the wire); float32 result.
 
     bfloat16 travels bitcast to uint16: XLA's CPU backend otherwise widens bf16 collectives to
-    f32, and the bytes on the wire would not be the ones the baseline claims. On TPU a 1-D
-    shard's part is padded for the wire (:func:`qsdp_jax._src.tpu_wire.all_gather_rows`).
+    f32, and the bytes on the wire would not be the ones the baseline claims. On TPU the parts
+    go as :func:`qsdp_jax._src.tpu_wire.all_gather_rows` sends them (bf16 as 32-bit words).
 
     Args:
       shard: this device's shard (gathered along its first axis).

@@ -44,9 +44,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from qsdp_jax._src.tpu_wire import padded_rows
 from qsdp_jax._src import quantizers as qz
 from qsdp_jax._src.packing import gather_each_piece, split_flat
+from qsdp_jax._src.tpu_wire import padded_rows
 from qsdp_jax.collectives import (
     GatherSpec,
     all_gather_fp,

@@ -1,7 +1,7 @@
 """XLA:TPU's asynchronous collective fusion, read from its compiled text.
 
 With libtpu's async collective options (``xla_tpu_enable_async_collective_fusion`` and friends,
-:mod:`qsdp_jax._src.overlap`), XLA:TPU runs one collective in steps spread over several fusions
+given as compile options; qsdp_jax does not set them, see :mod:`qsdp_jax._src.overlap`), XLA:TPU runs one collective in steps spread over several fusions
 of a computation: a start (a ``fusion`` XLA names ``async-collective-start``), continuations
 (compute fusions, e.g. a layer's matmul, that also carry a step of the transfer) and a done
 (``async-collective-done``). Each of these fusions calls a computation that holds the same

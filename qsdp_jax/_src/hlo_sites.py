@@ -167,8 +167,9 @@ def collective_sites(module: HloModule, strict: bool = False) -> tuple[list[Coll
             dcn = megascale_kind(ins)
             if dcn is not None:  # XLA:TPU between slices: counted at the send
                 if slices is None:
-                    slices = slice_count(module) or 2
-                    if slice_count(module) is None:
+                    read = slice_count(module)
+                    slices = read or 2
+                    if read is None:
                         warnings.append("collectives between TPU slices: the slice count was not read; 2 assumed")
                 if ins.opcode == "send":
                     sites.append(CollectiveSite(ins, dcn, False, mult[c], known[c], local, shapes_global, slices))
