@@ -145,6 +145,15 @@ def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -
 # ----------------------------------------------------------------------------------------------
 # Reduce-scatter
 # ----------------------------------------------------------------------------------------------
+def _sum_kernels(kernels: str, num: int, bucket: int) -> str:
+    """``kernels`` for the sum over ``num`` senders' payloads: ``"auto"`` takes the reference
+    where the TPU kernel's smallest block would not fit its VMEM (``kernels._tpu.sum_fits``: more
+    than 128 senders); an explicit ``"pallas"`` is kept (the kernel then says why it cannot)."""
+    from qsdp_jax.kernels import _tpu
+
+    return "reference" if kernels == "auto" and not _tpu.sum_fits(num, bucket) else kernels
+
+
 def quantized_reduce_scatter(
     full: jax.Array,
     *,
@@ -209,7 +218,7 @@ def quantized_reduce_scatter(
     )
     received = all_to_all_words(payload, axis_name)  # (N, payload)
     summed = qk.select(
-        kernels,
+        _sum_kernels(kernels, num, bucket),
         lambda p: dequantize_rows(p, chunk, bits, bucket, summed=True, stats_dtype=sd),  # (N, payload) -> (chunk,)
         lambda p, target: qk.unpack_dequantize_sum(
             *split_payload(p, chunk, bits, bucket, sd), bits, bucket, chunk, target=target

@@ -77,12 +77,20 @@ def test_kernels_match_the_reference_bit_for_bit(bits, target):
 def test_the_tpu_sum_over_many_senders_takes_smaller_blocks_and_the_same_bits():
     """The TPU sum's row block shrinks with the sender count so all senders' chunks fit one
     grid step's VMEM (16 senders x 64 buckets failed to compile on v5p): the same blocks up to
-    8 senders, 32 buckets at 16, 8 at 64, whole 32-sublane tiles; in interpret mode the sum of
-    16 senders over several such blocks (and a partial one) is the reference's bit for bit."""
+    8 senders, 32 buckets at 16, 8 at 64, whole 32-sublane tiles; past 128 senders not even its
+    smallest block fits: "auto" sums with the reference there, the kernel itself says so; in
+    interpret mode the sum of 16 senders over several such blocks (and a partial one) is the
+    reference's bit for bit."""
     from qsdp_jax.kernels import _tpu
 
     assert [_tpu.sum_row_block(1000, 1024, n, "mosaic_tpu") for n in (3, 8, 16, 64)] == [64, 64, 32, 8]
     assert _tpu.sum_row_block(1000, 128, 64, "mosaic_tpu") == 64 and _tpu.sum_row_block(5, 1024, 64, "mosaic_tpu") == 5
+    assert _tpu.sum_fits(128, 1024) and not _tpu.sum_fits(256, 1024)
+    assert (qc._sum_kernels("auto", 256, 1024), qc._sum_kernels("auto", 64, 1024)) == ("reference", "auto")
+    assert qc._sum_kernels("pallas", 256, 1024) == "pallas"
+    many = jnp.zeros((256, 1024), jnp.uint8), jnp.zeros((256, 1), jnp.float32)
+    with pytest.raises(ValueError, match="cannot sum 256 senders.*kernels='reference'"):
+        qk.unpack_dequantize_sum(many[0], many[1], many[1], 8, 1024, 1024, target="tpu_interpret")
     bits, bucket, senders = 8, 1024, 16
     x = _data((senders, 45 * bucket), seed=3)  # 45 buckets a sender: 32 + a partial block
     packed, scales, offsets, values = _ref_quantize(x, qz.derive_key(1), bits=bits, bucket=bucket, rounding="nearest")

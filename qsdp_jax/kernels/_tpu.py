@@ -207,6 +207,13 @@ def dequantize(packed, scales, offsets, *, bits, bucket, num, target):
     scales and offsets -> float32 ``(rows, bucket)``, summed over ``num`` chunks (pairwise, in
     ``payload.sum_rows``'s order) when ``num`` is given."""
     rows, m = packed.shape[-2], bucket // LANES
+    if num and not sum_fits(num, bucket):
+        most = SUM_BLOCK_ELEMS // (_tile(bucket) * bucket)
+        raise ValueError(
+            f"the TPU kernel qsdp_unpack_dequantize_sum_{bits}b cannot sum {num} senders' chunks of "
+            f"{bucket}-element buckets within one grid step's scoped VMEM (at most {most}): use "
+            "QSDPConfig(kernels='reference'), or a two-level mesh with fewer devices on each axis"
+        )
     rb = sum_row_block(rows, bucket, num, target) if num else kp.row_block(rows, bucket, target)
     lead = (num,) if num else ()
     specs = [_rows(rb * m, 16 * bits, lead), _rows(rb * m, 1, lead), _rows(rb * m, 1, lead)]
@@ -226,11 +233,22 @@ def dequantize(packed, scales, offsets, *, bits, bucket, num, target):
 SUM_BLOCK_ELEMS = 1 << 19
 
 
+def _tile(bucket: int) -> int:
+    """The fewest buckets of a block: a whole 32-sublane tile of the ``(rows * m, 128)`` view
+    (``m = bucket // 128`` rows a bucket)."""
+    return 32 // math.gcd(32, bucket // LANES)
+
+
+def sum_fits(num: int, bucket: int) -> bool:
+    """Whether the sum over ``num`` senders fits :data:`SUM_BLOCK_ELEMS` with its smallest block
+    (up to 128 senders for buckets of 128 or 1024)."""
+    return _tile(bucket) * bucket * num <= SUM_BLOCK_ELEMS
+
+
 def sum_row_block(rows: int, bucket: int, num: int, target: str) -> int:
     """Buckets per grid step of the sum over ``num`` senders: :func:`_pallas.row_block`'s, fewer
-    where all senders' chunks would pass :data:`SUM_BLOCK_ELEMS`, in whole 32-sublane tiles of
-    the ``(rows * m, 128)`` view (``m = bucket // 128`` rows a bucket)."""
-    tile = 32 // math.gcd(32, bucket // LANES)
+    where all senders' chunks would pass :data:`SUM_BLOCK_ELEMS`, in whole tiles (:func:`_tile`)."""
+    tile = _tile(bucket)
     fit = max(tile, SUM_BLOCK_ELEMS // (bucket * num) // tile * tile)
     return min(kp.row_block(rows, bucket, target), fit, rows)
 
