@@ -348,7 +348,9 @@ class Checkpointer:
 
     def _load(self, step: int, meta: dict) -> dict[str, np.ndarray]:
         where = f"checkpoint {self.directory}/{step}"
-        quiet_late_reads()  # a damaged step's late reads would print a traceback each
+        # a damaged step's late reads would print a traceback each; named before the read, since
+        # asyncio may report a dropped read's error (garbage collection) before the read fails
+        quiet_late_reads(str(self.directory / str(step)))
         try:
             tree = self._manager.item_metadata(step)["arrays"]
             as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
@@ -357,7 +359,6 @@ class Checkpointer:
             )["arrays"]
             out = from_item(got, meta)
         except Exception as e:  # noqa: BLE001 - whatever orbax/tensorstore raise for bad files
-            quiet_late_reads(str(self.directory / str(step)))
             raise CheckpointDamaged(f"{where}: its arrays cannot be read ({short_error(e)})") from e
         safety.verify(out, meta.get("checksums"), where)
         return out

@@ -168,8 +168,10 @@ class _LateReadErrors(logging.Filter):
 def quiet_late_reads(damaged: str | None = None) -> None:
     """Keep a damaged step's late reads off stderr: tensorstore's "Event loop is closed" reports
     (a traceback each, up to 42 for one step) and asyncio's never-retrieved errors naming
-    ``damaged`` (a step directory, remembered). Every other unraisable exception goes to the
-    hook there was, every other log record through. The hooks are installed once."""
+    ``damaged`` (a step directory about to be read, remembered: asyncio may report a dropped
+    read's error before the restore fails; a step that reads whole leaves no such error). Every
+    other unraisable exception goes to the hook there was, every other log record through. The
+    hooks are installed once."""
     _READ["any"] = True
     if damaged is not None:
         _DAMAGED.add(damaged)
