@@ -42,6 +42,7 @@ from qsdp_jax._src.payload_codec import (  # noqa: F401  (re-exported for caller
 from qsdp_jax._src.gather_pair import make_coded_gather, make_gather, make_gather_pieces  # noqa: F401  (re-exported)
 from qsdp_jax._src.packing import gather_each_piece
 from qsdp_jax._src.tpu_wire import all_gather_rows, all_to_all_words
+from qsdp_jax.kernels._tpu import sum_fits
 from qsdp_jax._src.payload import (  # noqa: F401  (the wire format; re-exported for callers of collectives)
     cpu_boundary,
     dequantize_rows,
@@ -145,15 +146,6 @@ def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -
 # ----------------------------------------------------------------------------------------------
 # Reduce-scatter
 # ----------------------------------------------------------------------------------------------
-def _sum_kernels(kernels: str, num: int, bucket: int) -> str:
-    """``kernels`` for the sum over ``num`` senders' payloads: ``"auto"`` takes the reference
-    where the TPU kernel's smallest block would not fit its VMEM (``kernels._tpu.sum_fits``: more
-    than 128 senders); an explicit ``"pallas"`` is kept (the kernel then says why it cannot)."""
-    from qsdp_jax.kernels import _tpu
-
-    return "reference" if kernels == "auto" and not _tpu.sum_fits(num, bucket) else kernels
-
-
 def quantized_reduce_scatter(
     full: jax.Array,
     *,
@@ -218,13 +210,14 @@ def quantized_reduce_scatter(
     )
     received = all_to_all_words(payload, axis_name)  # (N, payload)
     summed = qk.select(
-        _sum_kernels(kernels, num, bucket),
+        kernels,
         lambda p: dequantize_rows(p, chunk, bits, bucket, summed=True, stats_dtype=sd),  # (N, payload) -> (chunk,)
         lambda p, target: qk.unpack_dequantize_sum(
             *split_payload(p, chunk, bits, bucket, sd), bits, bucket, chunk, target=target
         ),
         received,
         bucket=bucket,
+        tpu_fits=sum_fits(num, bucket),  # past 128 senders the TPU kernel's block does not fit
     )
     if rotation is None:
         return summed

@@ -74,11 +74,26 @@ def test_kernels_match_the_reference_bit_for_bit(bits, target):
         chex.assert_trees_all_equal(qk.unpack_dequantize_sum(packed, scales, offsets, bits, bucket, n, target=T), want)
 
 
+def _one_call(x, target):
+    return (
+        qk.unpack_dequantize(
+            jnp.zeros((8, 1024), jnp.uint8),
+            jnp.ones((8, 1), jnp.float32),
+            jnp.zeros((8, 1), jnp.float32),
+            8,
+            1024,
+            1024,
+            target=target,
+        )
+        + x
+    )
+
+
 def test_the_tpu_sum_over_many_senders_takes_smaller_blocks_and_the_same_bits():
     """The TPU sum's row block shrinks with the sender count so all senders' chunks fit one
     grid step's VMEM (16 senders x 64 buckets failed to compile on v5p): the same blocks up to
     8 senders, 32 buckets at 16, 8 at 64, whole 32-sublane tiles; past 128 senders not even its
-    smallest block fits: "auto" sums with the reference there, the kernel itself says so; in
+    smallest block fits: the dispatch lowers the reference for TPU there, the kernel says so; in
     interpret mode the sum of 16 senders over several such blocks (and a partial one) is the
     reference's bit for bit."""
     from qsdp_jax.kernels import _tpu
@@ -86,8 +101,12 @@ def test_the_tpu_sum_over_many_senders_takes_smaller_blocks_and_the_same_bits():
     assert [_tpu.sum_row_block(1000, 1024, n, "mosaic_tpu") for n in (3, 8, 16, 64)] == [64, 64, 32, 8]
     assert _tpu.sum_row_block(1000, 128, 64, "mosaic_tpu") == 64 and _tpu.sum_row_block(5, 1024, 64, "mosaic_tpu") == 5
     assert _tpu.sum_fits(128, 1024) and not _tpu.sum_fits(256, 1024)
-    assert (qc._sum_kernels("auto", 256, 1024), qc._sum_kernels("auto", 64, 1024)) == ("reference", "auto")
-    assert qc._sum_kernels("pallas", 256, 1024) == "pallas"
+    for fits, calls in ((True, 1), (False, 0)):  # the dispatch lowers the reference for TPU where it does not fit
+        lowered = jax.jit(
+            lambda x, fits=fits: qk.select("pallas", lambda v: v + 1.0, _one_call, x, bucket=1024, tpu_fits=fits)
+        )
+        text = jax.export.export(lowered, platforms=["tpu"])(jax.ShapeDtypeStruct((8, 1024), jnp.float32)).mlir_module()
+        assert text.count("tpu_custom_call") == calls, fits
     many = jnp.zeros((256, 1024), jnp.uint8), jnp.zeros((256, 1), jnp.float32)
     with pytest.raises(ValueError, match="cannot sum 256 senders.*kernels='reference'"):
         qk.unpack_dequantize_sum(many[0], many[1], many[1], 8, 1024, 1024, target="tpu_interpret")

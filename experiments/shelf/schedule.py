@@ -137,14 +137,14 @@ def _leaf(shape) -> tuple[str, int]:
     return out.dtype, out.nbytes()
 
 
-def _started(instrs: list[_Instr], k: int, module: HloModule, wrapped: dict, chains: dict):
+def _started(instrs: list[_Instr], k: int, module: HloModule, wrapped: dict, chains: dict, position: dict):
     """``(kind, asynchronous, result shape, compute between start and done, the collective's
     instruction)`` of the collective ``instrs[k]`` starts (an op, an async start, or the first
     fusion of an XLA:TPU chain), else None."""
     instr = instrs[k]
     inner = hlo_async_fusion.fused_collective(instr, module)
     if inner is not None:  # XLA:TPU: its done is the chain's last fusion; the steps between compute
-        last = [i.name for i in instrs].index(chains[instr.name][-1])
+        last = position[chains[instr.name][-1]]
         return inner.opcode, last > k, inner.shape, [i for i in instrs[k + 1 : last] if i.opcode in COMPUTE], inner
     dcn = hlo_megascale.megascale_kind(instr) if instr.opcode == "send" else None
     kind = (dcn, True) if dcn else _kind(instr.opcode, instr, wrapped)  # a send's done: its send-done
@@ -178,8 +178,9 @@ def sites(hlo_text: str) -> list[Site]:
             continue  # the inside of an async wrapper or a fusion: counted where it starts
         chains = hlo_async_fusion.chains(module, instrs)
         steps = {n for chain in chains.values() for n in chain[1:]}
+        position = {i.name: k for k, i in enumerate(instrs)}
         for k, instr in enumerate(instrs):
-            started = None if instr.name in steps else _started(instrs, k, module, wrapped, chains)
+            started = None if instr.name in steps else _started(instrs, k, module, wrapped, chains, position)
             if started is None:
                 continue
             kind, asynchronous, shape, between, op = started

@@ -23,7 +23,7 @@ from qsdp_jax._src.hlo_reader import KINDS, HloModule, _Instr, _Tuple
 __all__ = ["dcn_terms", "megascale_kind", "sent", "slice_count"]
 
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]*)"')
-_FACTOR = {"all-to-all": (1, 1), "reduce-scatter": (1, 1), "all-reduce": (2, 1)}  # x (S-1)/S
+_TIMES = {"all-to-all": 1, "reduce-scatter": 1, "all-reduce": 2}  # x (S - 1) / S of what it sends
 
 
 def megascale_kind(ins: _Instr) -> str | None:
@@ -65,8 +65,8 @@ def dcn_terms(ins: _Instr, kind: str, slices: int) -> tuple[list, Fraction, int,
     arr = sent(ins)
     if kind == "all-gather":
         factor = Fraction(slices - 1)
-    elif kind in _FACTOR:
-        factor = Fraction(_FACTOR[kind][0] * (slices - 1), slices)
+    elif kind in _TIMES:
+        factor = Fraction(_TIMES[kind] * (slices - 1), slices)
     else:  # collective-permute: what it sends
         factor = Fraction(1)
     return (arr.leaves() if arr is not None else []), factor, slices, ()

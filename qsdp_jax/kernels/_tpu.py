@@ -212,7 +212,8 @@ def dequantize(packed, scales, offsets, *, bits, bucket, num, target):
         raise ValueError(
             f"the TPU kernel qsdp_unpack_dequantize_sum_{bits}b cannot sum {num} senders' chunks of "
             f"{bucket}-element buckets within one grid step's scoped VMEM (at most {most}): use "
-            "QSDPConfig(kernels='reference'), or a two-level mesh with fewer devices on each axis"
+            "QSDPConfig(kernels='reference'), or a two-level mesh with fewer devices on each axis "
+            "(the train step's dispatch sums with the reference there)"
         )
     rb = sum_row_block(rows, bucket, num, target) if num else kp.row_block(rows, bucket, target)
     lead = (num,) if num else ()

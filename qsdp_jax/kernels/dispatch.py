@@ -22,8 +22,8 @@ The GPU lowering is Triton, deliberately: it runs on A100 and H100 alike, while 
 The TPU lowering is Mosaic, with a layout of its own (:mod:`qsdp_jax.kernels._tpu`: lane-dense
 128-element rows, the bytes packed on the MXU), compiled by libtpu for v4, v5e, v5p and v6e at
 every bit width (``tests/test_tpu_compile.py``; the kernels' bits are checked against the
-reference in interpret mode, as ``"tpu_interpret"``). Buckets that are not a multiple of 128
-use the reference on TPU. Their speed on a TPU is unmeasured (no TPU has been lent to us).
+reference in interpret mode, as ``"tpu_interpret"``). Buckets that are not a multiple of 128,
+and sums over more senders than the kernel's VMEM holds (more than 128), use the reference on TPU. Their speed on a TPU is unmeasured (no TPU has been lent to us).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def check_mode(mode: str):
         raise ValueError(f"kernels={mode!r} is invalid: must be one of {KERNEL_MODES}")
 
 
-def select(mode: str, reference: Callable, kernel: Callable, *args, bucket: int):
+def select(mode: str, reference: Callable, kernel: Callable, *args, bucket: int, tpu_fits: bool = True):
     """``reference(*args)`` or ``kernel(*args, target=...)`` as ``mode`` and the platform say.
 
     ``args`` are arrays only (``lax.platform_dependent`` passes them to every branch); bind
@@ -65,6 +65,8 @@ def select(mode: str, reference: Callable, kernel: Callable, *args, bucket: int)
       *args: the arrays both take.
       bucket: the bucket size; on CUDA a bucket whose group count ``bucket // 8`` is not a
         power of 2 uses the reference, on TPU a bucket that is not a multiple of 128.
+      tpu_fits: False where the TPU kernel's smallest block would not fit its VMEM for these
+        arguments (the sum over more than 128 senders, ``_tpu.sum_fits``): the reference on TPU.
 
     Returns:
       What the chosen callable returns.
@@ -84,7 +86,7 @@ def select(mode: str, reference: Callable, kernel: Callable, *args, bucket: int)
         return with_reference_vjp(reference, kernel, target)
 
     cuda = on("triton") if kp.triton_ok(bucket) else reference
-    tpu = on("mosaic_tpu") if kp.tpu_ok(bucket) else reference
+    tpu = on("mosaic_tpu") if kp.tpu_ok(bucket) and tpu_fits else reference
     return lax.platform_dependent(*args, cpu=reference, cuda=cuda, tpu=tpu, default=reference)
 
 
