@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from experiments.shelf import schedule, targets
+from experiments.shelf import schedule, step_model, targets
 
 HLO = """HloModule m, num_partitions=8
 
@@ -238,13 +238,28 @@ def test_the_two_level_model_prices_node_spanning_collectives_at_the_inter_node_
     report = CommReport((inside, across, everyone), 16)
     hidden = [schedule.Site("all-gather", "in", "u8", 0, "c", True, False, True, 3, 1)]
     flops = 1e-3 * target.n_chips * target.peak_bf16_flops  # 1 ms of compute per chip
-    m = aot.node_model(target, flops, report, hidden, 400)
+    classes = step_model.collective_classes(report, hidden, 16, target.chips_per_host)
+    assert [(c["group"], c["spans_nodes"], c["hidden"]) for c in classes] == [
+        (2, True, False),
+        (8, False, True),
+        (16, True, False),
+    ]
+    m = aot.node_model(target, flops, classes, 400)
     assert m["intra_bytes"] == 450e6 and m["inter_bytes"] == 62.5e6
     assert m["hidden_comm_s"] == pytest.approx(1e-3) and m["compute_s"] == pytest.approx(1e-3)
     assert m["exposed_comm_s"] == pytest.approx(1e-3 + 0.25e-3)  # across at 400, all 16 at 400
     assert m["step_s"] == pytest.approx(2.25e-3)
-    slow = aot.node_model(target, flops, report, hidden, 100)
+    slow = aot.node_model(target, flops, classes, 100)
     assert slow["exposed_comm_s"] == pytest.approx(4e-3 + 1e-3)
+    # 8 nodes (64 GPUs), the same compute per chip: the node-axis gather's group grows 2 -> 8,
+    # the whole-mesh one 16 -> 64, the one inside a node keeps its 8
+    big = aot.node_model(target, flops * 4, classes, 400, n_chips=64)
+    assert big["compute_s"] == pytest.approx(1e-3) and big["intra_bytes"] == 450e6
+    assert big["inter_bytes"] == pytest.approx(50e6 * (7 / 8) / (1 / 2) + 12.5e6 * (63 / 64) / (15 / 16))
+    one = aot.node_model(target, flops / 2, classes, 400, n_chips=8)  # one node: nothing crosses
+    assert one["inter_bytes"] == 0 and one["intra_bytes"] == pytest.approx(450e6 + 12.5e6 * (7 / 8) / (15 / 16))
+    with pytest.raises(ValueError, match="whole number of 8-chip nodes"):
+        aot.node_model(target, flops, classes, 400, n_chips=12)
 
 
 def test_two_tpu_slices_are_the_two_levels_priced_at_the_data_center_network():

@@ -1,110 +1,100 @@
-"""experiments.bench.speedup_model: the arithmetic on hand-computed cases (no compilation)."""
+"""experiments.bench.speedup_model: the compiled-program model scaled to more nodes, on hand-made
+collective classes and on the committed aot rows (no compilation)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
+from experiments.bench import aot
 from experiments.bench import speedup_model as sm
+from experiments.shelf import targets
+
+AOT_JSON = Path(__file__).resolve().parents[1] / "experiments" / "results" / "aot.json"
 
 
-def test_comm_and_compute_by_hand():
-    assert sm.comm_time(1e9, 100e9) == pytest.approx(0.08)  # 8e9 bits / 1e11 bit/s
-    assert sm.comm_time(125e6, 10e9) == pytest.approx(0.1)
-    assert sm.compute_time(1e12, 1e13) == pytest.approx(0.1)
-    assert sm.comm_time(0, 1e9) == 0.0
+def _row(scheme, classes, model="gpt-125m"):
+    head = {"target": "h100-16", "model": model, "scheme": scheme, "n_chips": 16, "tokens": 16 * 1024}
+    return head | {"collective_classes": classes}
 
 
-def test_predict_step_time_overlap_vs_not():
-    # compute 0.1 s, comm 0.08 s
-    t = sm.predict_step_time(1e9, 1e12, 1e13, 100e9, overlap=False)
-    assert t == pytest.approx(0.18)
-    assert sm.predict_step_time(1e9, 1e12, 1e13, 100e9, overlap=True) == pytest.approx(0.1)
-    assert sm.predict_step_time(1e9, 1e12, 1e13, 100e9, overlap=True, exposed_fraction=0.25) == pytest.approx(0.12)
-    # communication-bound: 1e10 bytes at 100 Gbit/s = 0.8 s, compute 0.1 s: overlap hides compute
-    assert sm.predict_step_time(1e10, 1e12, 1e13, 100e9, overlap=True) == pytest.approx(0.8)
-    assert sm.predict_step_time(1e10, 1e12, 1e13, 100e9, overlap=True, exposed_fraction=0.5) == pytest.approx(0.8)
-    assert sm.predict_step_time(1e10, 1e12, 1e13, 100e9, overlap=False) == pytest.approx(0.9)
-    # compute-bound with half exposed: max(0.1, 0.5 * 0.08) + 0.04
-    assert sm.predict_step_time(1e9, 1e12, 1e13, 100e9, overlap=True, exposed_fraction=0.5) == pytest.approx(0.14)
-    # overlap is never slower than no overlap, and never faster than the larger part
-    for b in (1e8, 1e9, 5e9, 1e10):
-        for e in (0.0, 0.1, 0.5, 1.0):
-            no = sm.predict_step_time(b, 1e12, 1e13, 100e9, overlap=False)
-            yes = sm.predict_step_time(b, 1e12, 1e13, 100e9, overlap=True, exposed_fraction=e)
-            assert max(0.1, b * 8 / 100e9) - 1e-12 <= yes <= no + 1e-12
-    assert sm.predict_step_time(1e9, 1e12, 1e13, 100e9, overlap=True, exposed_fraction=1.0) == pytest.approx(0.18)
+def _cls(group, spans, hidden, nbytes, kind="all-gather"):
+    return {"kind": kind, "group": group, "spans_nodes": spans, "hidden": hidden, "bytes": nbytes}
 
 
-def test_ring_scaling():
-    assert sm.ring_factor(1) == 0.0
-    assert sm.ring_factor(8) == pytest.approx(7 / 8)
-    assert sm.collective_volume(7e9, 8) == pytest.approx(8e9)
-    # measured 7 GB per device on 8 devices -> 8 GB volume -> on 16 GPUs 8 * 15/16 = 7.5 GB
-    assert sm.scale_bytes(7e9, 8, 16) == pytest.approx(7.5e9)
-    assert sm.scale_bytes(7e9, 8, 8) == pytest.approx(7e9)
-    # bytes leaving a node: ring over all N = M*8 GPUs vs hierarchical over M nodes
-    assert sm.link_bytes_per_step(8e9, 2, 8, "ring") == pytest.approx(8e9 * 15 / 16)
-    assert sm.link_bytes_per_step(8e9, 2, 8, "hierarchical") == pytest.approx(4e9)
-    assert sm.link_bytes_per_step(8e9, 64, 8, "ring") == pytest.approx(8e9 * 511 / 512)
-    assert sm.link_bytes_per_step(8e9, 1, 8) == 0.0
-    with pytest.raises(ValueError):
-        sm.collective_volume(1e9, 1)
+ROWS = [
+    _row("gspmd", [_cls(16, True, False, 4e9)]),
+    _row("fp32", [_cls(16, True, True, 2e9), _cls(16, True, False, 2e9)]),
+    _row("qsdp-W8G8", [_cls(16, True, True, 0.5e9), _cls(16, True, False, 0.5e9)]),
+    _row("qsdp-W8G8+2level", [_cls(8, False, False, 0.9e9), _cls(2, True, False, 0.1e9)]),
+]
 
 
-def test_predict_grid_by_hand():
-    # 8 GB volume (7 GB on 8 devices) for fp32, 2 GB for W8G8; 1e9 FLOP/token; 2 layers.
-    measured = {
-        "m": {
-            "n_devices": 8,
-            "n_layers": 2,
-            "flops_per_token": 1e9,
-            "bytes_per_device": {"fp32": 7e9, "qsdp-W8G8": 1.75e9},
-        }
-    }
-    rows = sm.predict_grid(
-        measured,
-        schemes=("fp32", "qsdp-W8G8"),
-        bandwidths_gbit=(100,),
-        nodes=(2,),
-        gpus_per_node=8,
-        rate=1e13,
-        global_batch_tokens=16e3,
+def test_two_nodes_at_the_compiled_batch_is_the_aot_model():
+    """Where the two overlap (2 x 8 chips, the compiled batch), the prediction is aot.node_model."""
+    target = targets.TARGETS["h100-16"]
+    preds = sm.predict(ROWS, bandwidths_gbit=(100,), nodes=(2,))
+    for r, p in zip(ROWS, preds):
+        want = aot.node_model(target, aot.model_flops("gpt-125m", 16 * 1024), r["collective_classes"], 100)
+        assert p["step_s"] == want["step_s"] and p["tokens_per_chip"] == 1024
+    by = {p["scheme"]: p for p in preds}
+    # gspmd: 4 GB exposed at 12.5 GB/s; W8G8: 0.5 GB exposed, 0.5 GB hidden behind compute
+    assert by["gspmd"]["exposed_comm_s"] == pytest.approx(0.32)
+    assert by["qsdp-W8G8"]["speedup_vs_gspmd"] == pytest.approx(by["gspmd"]["step_s"] / by["qsdp-W8G8"]["step_s"])
+    assert by["qsdp-W8G8"]["speedup_vs_fp32_no_overlap"] == pytest.approx(
+        by["fp32"]["step_no_overlap_s"] / by["qsdp-W8G8"]["step_no_overlap_s"]
     )
-    by = {r["scheme"]: r for r in rows}
-    fp, q = by["fp32"], by["qsdp-W8G8"]
-    # 16k tokens / 16 GPUs = 1000 tokens -> 1e12 FLOPs -> 0.1 s
-    assert fp["tokens_per_gpu"] == pytest.approx(1000) and fp["t_compute_s"] == pytest.approx(0.1)
-    # fp32: 8e9 * 15/16 = 7.5e9 bytes -> 0.6 s; W8G8: 1.875e9 -> 0.15 s
-    assert fp["t_comm_s"] == pytest.approx(0.6) and q["t_comm_s"] == pytest.approx(0.15)
-    assert fp["t_step_s"] == pytest.approx(0.7) and q["t_step_s"] == pytest.approx(0.25)
-    # overlap, e = 1/2: fp32 max(0.1, 0.3) + 0.3 = 0.6; W8G8 max(0.1, 0.075) + 0.075 = 0.175
-    assert fp["t_step_overlap_s"] == pytest.approx(0.6)
-    assert q["t_step_overlap_s"] == pytest.approx(0.175)
-    assert q["speedup_vs_fp32"] == pytest.approx(0.7 / 0.25)
-    assert q["speedup_vs_fp32_overlap"] == pytest.approx(0.6 / 0.175)
-    assert fp["speedup_vs_fp32"] == 1.0 and q["speedup_vs_bf16"] is None
+
+
+def test_more_nodes_scale_each_group_and_the_batch():
+    preds = sm.predict(ROWS, bandwidths_gbit=(100,), nodes=(8,))
+    by = {p["scheme"]: p for p in preds}
+    assert by["gspmd"]["inter_bytes"] == pytest.approx(4e9 * (63 / 64) / (15 / 16))
+    two = by["qsdp-W8G8+2level"]  # the node axis 2 -> 8, the local axis stays 8 inside a node
+    assert two["inter_bytes"] == pytest.approx(0.1e9 * (7 / 8) / (1 / 2)) and two["intra_bytes"] == 0.9e9
+    weak = by["gspmd"]["compute_s"]
+    strong = {p["scheme"]: p for p in sm.predict(ROWS, bandwidths_gbit=(100,), nodes=(8,), global_batch_tokens=2**19)}
+    assert strong["gspmd"]["tokens_per_chip"] == 2**19 / 64
+    assert strong["gspmd"]["compute_s"] == pytest.approx(weak * 2**19 / 64 / 1024, rel=1e-12)
+    fixed = sm.predict(ROWS[:1], bandwidths_gbit=(100,), nodes=(8,), tokens_per_chip=2048)[0]
+    assert fixed["compute_s"] == pytest.approx(2 * weak, rel=1e-12)
+
+
+def test_the_committed_h100_rows_predict_their_own_two_node_model():
+    """The committed aot rows of 2 x 8 H100 and this model agree at 2 nodes, every bandwidth."""
+    rows = sm.target_rows(json.loads(AOT_JSON.read_text()), "h100-16")
+    assert {"gspmd", "fp32", "qsdp-W8G8"} <= {r["scheme"] for r in rows}
+    for r in rows:
+        got = sm.predict([r], bandwidths_gbit=[m["inter_gbps"] for m in r["model_time_nodes"]], nodes=(2,))
+        assert [p["step_s"] for p in got] == pytest.approx([m["step_s"] for m in r["model_time_nodes"]], rel=1e-12)
 
 
 @pytest.mark.parametrize(
-    "call",
+    "doc, target, match",
     [
-        lambda: sm.comm_time(1e9, -1e9),
-        lambda: sm.comm_time(1e9, 0),
-        lambda: sm.comm_time(-1, 1e9),
-        lambda: sm.compute_time(1e12, 0),
-        lambda: sm.compute_time(float("nan"), 1e12),
-        lambda: sm.predict_step_time(1e9, 1e12, 1e13, -100e9, overlap=False),
-        lambda: sm.predict_step_time(1e9, 1e12, 1e13, 100e9, overlap=True, exposed_fraction=1.5),
-        lambda: sm.predict_step_time(1e9, 1e12, 1e13, 100e9, overlap="yes"),
-        lambda: sm.ring_factor(0),
-        lambda: sm.link_bytes_per_step(1e9, 0, 8),
-        lambda: sm.link_bytes_per_step(1e9, 2, 8, "tree"),
-        lambda: sm.tokens_per_gpu(-5, 8),
+        ({"rows": []}, "h100-99", "not known"),
+        ({"rows": []}, "h100-8", "one node"),
+        ({"rows": []}, "h100-16", "no rows for 'h100-16'"),
+        ({"rows": [{"target": "h100-16", "model": "m", "scheme": "s"}]}, "h100-16", "without collective_classes"),
     ],
 )
-def test_argument_validation(call):
-    with pytest.raises(ValueError):
-        call()
+def test_rows_that_cannot_be_scaled_are_refused(doc, target, match):
+    with pytest.raises(ValueError, match=match):
+        sm.target_rows(doc, target)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"tokens_per_chip": 1, "global_batch_tokens": 2}, "not both"),
+        ({"tokens_per_chip": 0}, "tokens_per_chip must be > 0"),
+        ({"nodes": (0,)}, "nodes integers >= 1"),
+        ({"bandwidths_gbit": (-1,)}, "bandwidths must be > 0"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sm.predict(ROWS, **kwargs)
 
 
 def test_check_skips_without_file(tmp_path):
@@ -152,14 +142,15 @@ def test_check_against_fake_network(tmp_path):
     pairs = {(p["config"], p["bandwidth_mbit"]): p for p in out["pairs"]}
     assert set(pairs) == {("fp32", 100.0), ("qsdp-W8G8", 100.0)}
     fp, q = pairs[("fp32", 100.0)], pairs[("qsdp-W8G8", 100.0)]
-    assert fp["predicted_s"] == pytest.approx(0.9) and fp["rel_error"] == pytest.approx(-0.1)
-    assert q["measured_s"] == pytest.approx(0.7) and q["predicted_s"] == pytest.approx(0.7)
-    assert q["rel_error"] == pytest.approx(0.0, abs=1e-12)
-    assert out["mean_abs_rel_error"] == pytest.approx(0.05)
+    assert fp["predicted_s"]["serial"] == pytest.approx(0.9) and fp["rel_error"]["serial"] == pytest.approx(-0.1)
+    assert fp["predicted_s"]["overlapped"] == pytest.approx(0.5)  # max(0.5, 0.4)
+    assert q["measured_s"] == pytest.approx(0.7) and q["predicted_s"]["serial"] == pytest.approx(0.7)
+    assert q["rel_error"]["serial"] == pytest.approx(0.0, abs=1e-12)
+    assert out["mean_abs_rel_error"]["serial"] == pytest.approx(0.05)
     assert out["unmatched"][0]["config"] == "bf16"
     # each process on its own link: half the bytes through the shaper
     own = sm.check_against_network(path, shared_queue=False)
-    assert {p["config"]: p["predicted_s"] for p in own["pairs"]}["fp32"] == pytest.approx(0.7)
+    assert {p["config"]: p["predicted_s"]["serial"] for p in own["pairs"]}["fp32"] == pytest.approx(0.7)
     assert "mean absolute relative error" in sm.check_table(out)
 
 
@@ -170,21 +161,29 @@ def test_check_rejects_bad_schema(tmp_path):
         sm.check_against_network(path)
 
 
-def test_table_and_plot(tmp_path):
-    measured = {
-        "gpt-1.3b": {
-            "n_params": 1.3e9,
-            "n_devices": 8,
-            "n_layers": 24,
-            "flops_per_token": 8e9,
-            "bytes_per_device": {"fp32": 14e9, "qsdp-W8G8": 3.5e9, "qsdp-W4G4": 1.75e9},
-        }
-    }
-    rows = sm.predict_grid(
-        measured, schemes=("fp32", "qsdp-W8G8", "qsdp-W4G4"), bandwidths_gbit=(10, 100), nodes=(2, 4)
-    )
-    assert len(rows) == 2 * 2 * 3
-    text = sm.table(rows, measured, ("fp32", "qsdp-W8G8", "qsdp-W4G4"))
-    assert "gpt-1.3b" in text and "W4G4" in text
-    sm.plot(rows, tmp_path / "p.png")
+def test_table_plot_and_main(tmp_path):
+    preds = sm.predict([{**r, "model": "gpt-1.3b"} for r in ROWS], nodes=(2, 4))
+    text = sm.table(preds)
+    assert "gpt-1.3b" in text and "W8G8+2level" in text and "MODEL" in text
+    sm.plot(preds, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+    (tmp_path / "aot.json").write_text(json.dumps({"rows": ROWS, "commands": ["x"]}))
+    out = tmp_path / "out"
+    assert (
+        sm.main(
+            [
+                "--aot",
+                str(tmp_path / "aot.json"),
+                "--nodes",
+                "2",
+                "4",
+                "--network-json",
+                "/nonexistent",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    doc = json.loads((out / "speedup_model.json").read_text())
+    assert len(doc["predictions"]) == 4 * 3 * 2 and doc["network_check"]["skipped"]

@@ -79,14 +79,7 @@ def _twolevel(doc: dict) -> str:
 def _speedup(doc: dict) -> str:
     from experiments.bench.speedup_model import check_table, table
 
-    schemes = sorted({r["scheme"] for r in doc["predictions"]}, key=lambda s: (s != "fp32", s))
-    return "\n".join(
-        [
-            table(doc["predictions"], doc["measured"], schemes),
-            check_table(doc["network_check"]),
-            check_table(doc["network_check_overlap"]),
-        ]
-    )
+    return table(doc["predictions"], nodes=(2, 8, 64)) + "\n\n" + check_table(doc["network_check"])
 
 
 def _grid_walk(doc: dict) -> str:

@@ -20,14 +20,16 @@ pick on that chip (Pallas on TPU, the jnp reference on GPU). Read from the compi
 * **overlap** (:mod:`experiments.shelf.schedule`): per pass, the collectives with compute
   scheduled between their start and done, and their bytes;
 * a **modelled step time**, labelled as a model: compute = training FLOPs (6 x parameters x
-  tokens, x 8/6 with the rematerialised forward, plus attention) over the chip's peak bf16 rate,
-  plus the exposed collectives' bytes over the link bandwidth. Its inputs are printed with it.
+  tokens, x 8/6 with the rematerialised forward, plus attention) over the chip's peak bf16 rate;
+  the step is ``max(compute, hidden comm) + exposed comm``, every collective's bytes over the
+  link bandwidth (``experiments.shelf.step_model.combine``). Its inputs are printed with it.
   On a target of several nodes (``h100-16``: 2 x 8 H100; ``v5p-8x2``: two v5p slices) a
   **two-level model** for each inter-node bandwidth of the target's ``inter_gbps`` (per chip,
   one direction: one NIC per GPU; a TPU slice's data-center network): a collective whose
   replica groups span nodes (slices) moves its bytes at that bandwidth, one inside a node at
   NVLink's (ICI's) rate (a ring's slowest link sets its pace); the collectives hidden behind a
-  matmul overlap the compute, so the step is ``max(compute, hidden comm) + exposed comm``.
+  matmul overlap the compute (``experiments.shelf.step_model``; each row keeps the
+  ``collective_classes`` it reads, which ``experiments.bench.speedup_model`` scales to more nodes).
 
 Writes ``experiments/results/aot.json`` after every row (a run resumes where it stopped: rows
 already in the file are kept and not compiled again) and prints a table. The compiled texts are
@@ -50,7 +52,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from experiments.bench.memory import compile_step, peak_bytes
-from experiments.shelf import schedule
+from experiments.shelf import schedule, step_model
 from experiments.shelf.schemes import scheme_config, split_scheme
 from experiments.shelf.targets import TARGETS, Target, devices
 from experiments.shelf.wire_bytes import formula_bytes, gpt_collective_counts
@@ -67,7 +69,7 @@ def _kernels(target: Target, scheme: str) -> str | None:
     return "pallas" if target.kind == "tpu" else "reference"
 
 
-def model_flops(model_name: str, tokens: int) -> float:
+def model_flops(model_name: str, tokens: float) -> float:
     """Training FLOPs of one step of the GPT preset: 8 x params x tokens (forward, its
     rematerialisation, backward) plus attention's ``8 x 2 x layers x seq x d`` per token."""
     from experiments.gpt.model import GPTConfig  # imports jax: only when a row is measured
@@ -86,8 +88,9 @@ def _formula(state, scheme: str, n: int) -> float | None:
     return formula_bytes(state.layout, scheme_config(scheme), n, *gpt_collective_counts())["total"]
 
 
-def step_model(target: Target, flops: float, wire: float, exposed: float) -> dict:
-    """The modelled step time per chip (seconds) and its inputs; a model, not a measurement."""
+def single_node_model(target: Target, flops: float, wire: float, exposed: float) -> dict:
+    """The modelled step time per chip (seconds) and its inputs, every collective at the link
+    rate inside the node or slice; a model, not a measurement."""
     compute = flops / target.n_chips / target.peak_bf16_flops
     return {
         "peak_bf16_flops": target.peak_bf16_flops,
@@ -96,7 +99,9 @@ def step_model(target: Target, flops: float, wire: float, exposed: float) -> dic
         "compute_s": compute,
         "comm_s": wire / target.link_bytes_per_s,
         "exposed_comm_s": exposed / target.link_bytes_per_s,
-        "step_s": compute + exposed / target.link_bytes_per_s,
+        "step_s": step_model.combine(
+            compute, (wire - exposed) / target.link_bytes_per_s, exposed / target.link_bytes_per_s
+        ),
         "step_no_overlap_s": compute + wire / target.link_bytes_per_s,
     }
 
@@ -135,25 +140,6 @@ def measure(target: Target, model_name: str, scheme: str, hlo_dir: Path | None =
     return count(row, text)
 
 
-def node_model(target: Target, flops: float, report, sites: list, gbps: float) -> dict:
-    """The two-level modelled step time per chip (seconds) at ``gbps`` between nodes, and its
-    inputs (module docstring); a model, not a measurement."""
-    hidden = {s.name for s in sites if s.hidden}
-    inter = gbps * 1e9 / 8
-    per = target.chips_per_host
-    out = {"inter_gbps": gbps, "inter_bytes_per_s": inter, "intra_bytes_per_s": target.link_bytes_per_s}
-    out.update(inter_bytes=0.0, intra_bytes=0.0, hidden_comm_s=0.0, exposed_comm_s=0.0)
-    for c in report.collectives:
-        groups = c.replica_groups or (tuple(range(target.n_chips)),)
-        spans = any(len({d // per for d in g}) > 1 for g in groups)
-        out["inter_bytes" if spans else "intra_bytes"] += c.bytes_on_wire
-        seconds = c.bytes_on_wire / (inter if spans else target.link_bytes_per_s)
-        out["hidden_comm_s" if c.name in hidden else "exposed_comm_s"] += seconds
-    out["compute_s"] = flops / target.n_chips / target.peak_bf16_flops
-    out["step_s"] = max(out["compute_s"], out["hidden_comm_s"]) + out["exposed_comm_s"]
-    return out
-
-
 def count(row: dict, text: str) -> dict:
     """``row`` with what is read from its compiled text: wire bytes, overlap, modelled time."""
     from qsdp_jax import comm
@@ -164,16 +150,34 @@ def count(row: dict, text: str) -> dict:
     hidden_share = sum(s.bytes for s in sites if s.hidden) / max(1, sum(s.bytes for s in sites))
     target = TARGETS[row["target"]]
     flops = model_flops(row["model"], row["tokens"])
+    classes = step_model.collective_classes(report, sites, row["n_chips"], target.chips_per_host)
     if target.hosts > 1:
-        row = {**row, "model_time_nodes": [node_model(target, flops, report, sites, g) for g in target.inter_gbps]}
+        row = {**row, "model_time_nodes": [node_model(target, flops, classes, g) for g in target.inter_gbps]}
     return {
         **row,
         "wire_bytes": wire,
         "wire_by_kind_dtype": {f"{k} {d}": b for (k, d), b in report.by_kind_dtype().items()},
         "trip_counts_known": not report.warnings,
         "overlap": schedule.summary(sites),
-        "model_time": step_model(target, flops, wire, wire * (1 - hidden_share)),
+        "collective_classes": classes,
+        "model_time": single_node_model(target, flops, wire, wire * (1 - hidden_share)),
     }
+
+
+def node_model(target: Target, flops: float, classes: list[dict], gbps: float, n_chips: int | None = None) -> dict:
+    """The two-level modelled step time per chip (``experiments.shelf.step_model``) at ``gbps``
+    per chip between nodes, on ``n_chips`` (default: as compiled); a model, not a measurement."""
+    n = n_chips or target.n_chips
+    out = step_model.node_model(
+        classes,
+        compute_s=flops / n / target.peak_bf16_flops,
+        intra_bytes_per_s=target.link_bytes_per_s,
+        inter_bytes_per_s=gbps * 1e9 / 8,
+        n_from=target.n_chips,
+        n_to=n,
+        chips_per_node=target.chips_per_host,
+    )
+    return {"inter_gbps": gbps, **out}
 
 
 def _hlo_path(hlo_dir: Path, target: str, model: str, scheme: str) -> Path:
@@ -211,8 +215,8 @@ def table(rows: list[dict]) -> str:
         "built (arguments + outputs - donated + temporaries); HBM: fits the chip's memory or not. wire: bytes per chip",
         "per step from the compiled text (comm_report); formula: the gathers' and reduce-scatters' analytic bytes",
         "(no all-reduce). hidden: collectives with a matmul scheduled between start and done / all collectives.",
-        "model ms: a MODEL, not a measurement: training FLOPs per chip / peak bf16 rate +",
-        "bytes of the collectives not hidden / the link bandwidth (the inputs are in the JSON, model_time).",
+        "model ms: a MODEL, not a measurement: max(training FLOPs per chip / peak bf16 rate, hidden bytes / link",
+        "bandwidth) + bytes of the collectives not hidden / link bandwidth (the inputs are in the JSON, model_time).",
     ]
     return "\n".join(lines)
 

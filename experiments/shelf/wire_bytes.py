@@ -1,7 +1,6 @@
 """Bytes on the wire per device per step of the compiled GPT train step, by scheme, and the
 analytic formula they are checked against. Shared by ``experiments.bench.comm`` (the table and
-``comm_bytes.json``), ``experiments.bench.speedup_model`` and
-``experiments.convergence.frontier_bits``.
+``comm_bytes.json``) and ``experiments.convergence.frontier_bits``.
 
 :func:`measure` *compiles, does not run*, the train step from an abstract state
 (:func:`qsdp_jax.abstract_train_state`) and an abstract batch, so nothing of model size is
