@@ -18,7 +18,7 @@ show() {
 
 # Export the GPU training settings: collectives overlap compute (the latency-hiding scheduler
 # moves them around the matmuls; the train step itself compiles with XLA's collective pipelining,
-# which prefetches the next layer: qsdp_jax/_src/overlap.py), 90% of GPU memory for XLA, a dead
+# which prefetches the next layer: qsdp_jax/_src/collective/overlap.py), 90% of GPU memory for XLA, a dead
 # process detected in 10 s.
 gpu_overlap_env() {
   export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_latency_hiding_scheduler=true"

@@ -24,7 +24,7 @@ from qsdp_jax.train import (
     make_train_step,
 )
 from qsdp_jax.watchdog import StepWatchdog
-from qsdp_jax._src.weighted_mean import LocalMeanWarning, WeightedMean
+from qsdp_jax._src.step.weighted_mean import LocalMeanWarning, WeightedMean
 
 __all__ = [
     "CheckpointDamaged",

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qsdp_jax._src import policy
+from qsdp_jax._src.layout import policy
 
 PyTree = Any
 # body(carry, layer_params, x) -> (carry, y)
@@ -33,7 +33,7 @@ class ParamAccess(Protocol):
     """What a loss function may do with its parameters.
 
     A ``typing.Protocol``: the loss receives :class:`LocalParams` on one device, or the sharded
-    step's implementation (``qsdp_jax._src.sharded_access.ShardedParams``) inside
+    step's implementation (``qsdp_jax._src.step.sharded_access.ShardedParams``) inside
     ``qsdp_jax.make_train_step``; it never builds one itself.
     """
 
@@ -85,7 +85,7 @@ class ParamAccess(Protocol):
         In the sharded step the rows are read from the devices' blocks of the leaf: neither
         pass holds the whole table or a table-sized gradient, and the rows' gradient reaches the
         blocks exactly (float32), not through the table's reduce-scatter
-        (``qsdp_jax._src.sharded_take``). A table with no more rows than all the devices' ids
+        (``qsdp_jax._src.collective.sharded_take``). A table with no more rows than all the devices' ids
         together (a position table) is all-gathered alone, unquantized, instead. The rows are the weights as stored: in ``"qsdp"``
         mode (on the grid) and in float32 FSDP the bits :meth:`gather` gives; in ``"comm"``
         mode or with bfloat16 gathers, the weights before the gather's rounding. For a tied

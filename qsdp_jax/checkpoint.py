@@ -15,7 +15,7 @@ optimizer state), and for an NNX state every leaf nested as the module and ``nnx
 nest them (``{"params": {"trunk": {"layers": {"0": ...}}}, "opt_state": {"0": {"mu": ...}},
 "step": ..., "qsdp": ..., "model_state": ...}``). A plain orbax restore of ``arrays`` gives them
 as unsharded numpy arrays. Zero-size arrays (orbax refuses them) are stored as their shape and dtype
-only (:mod:`qsdp_jax._src.checkpoint_arrays`). Beside the arrays, a JSON record of what defines the checkpoint: the QSDPConfig, the
+only (:mod:`qsdp_jax._src.checkpoint.arrays`). Beside the arrays, a JSON record of what defines the checkpoint: the QSDPConfig, the
 layout (groups, leaves, shapes, dtypes), the geometry of each weight grid, every leaf's shape,
 the mesh shape, the library version, the step, the caller's ``identity`` (what must match) and
 ``extra`` (what is carried, e.g. the data position).
@@ -28,15 +28,15 @@ scale and offset per bucket, and buckets live inside one device's shard: when a 
 whole buckets of its row-major order on both meshes (split on its first dimension; true of the
 usual transformer shapes) its buckets are the same on any device count, and the grid restores
 exactly. Otherwise the grid belongs to the old mesh: restore refuses, naming the leaves, unless
-``regrid=True`` re-projects them onto the new mesh's grid (:mod:`qsdp_jax._src.regrid`).
+``regrid=True`` re-projects them onto the new mesh's grid (:mod:`qsdp_jax._src.checkpoint.regrid`).
 A config, layout, leaf or identity mismatch is refused with an error naming the field
-(:mod:`qsdp_jax._src.checkpoint_restore`).
+(:mod:`qsdp_jax._src.checkpoint.restore`).
 
 **Atomic.** Orbax writes a step into a temporary directory and renames it when complete; only
 complete steps are listed, so a checkpoint half-written when the process died is never picked up
 (and its leftovers are removed when the next manager opens the directory).
 
-**Safe by default** (:mod:`qsdp_jax._src.checkpoint_safety`). Pending saves complete before the
+**Safe by default** (:mod:`qsdp_jax._src.checkpoint.safety`). Pending saves complete before the
 process exits, also when the script never calls ``wait()``/``close()`` (a save failing then ends
 the process with status 1). Every array's CRC-32 is recorded and checked on restore; a damaged
 step (changed bytes, unreadable metadata, a missing part) raises :class:`CheckpointDamaged`
@@ -58,9 +58,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from qsdp_jax._src import checkpoint_safety as safety
-from qsdp_jax._src.checkpoint_arrays import export_state, from_item, leaf_names, to_item
-from qsdp_jax._src.checkpoint_record import (
+from qsdp_jax._src.checkpoint import safety
+from qsdp_jax._src.checkpoint.arrays import export_state, from_item, leaf_names, to_item
+from qsdp_jax._src.checkpoint.record import (
     FORMAT,
     CheckpointMismatch,
     check_format,
@@ -68,7 +68,7 @@ from qsdp_jax._src.checkpoint_record import (
     jsonable,
     library_version,
 )
-from qsdp_jax._src.checkpoint_restore import (
+from qsdp_jax._src.checkpoint.restore import (
     check_restorable,
     place,
     quiet_late_reads,
@@ -76,9 +76,9 @@ from qsdp_jax._src.checkpoint_restore import (
     short_error,
     warn_fell_back,
 )
-from qsdp_jax._src.checkpoint_safety import CheckpointDamaged, CheckpointLocked
+from qsdp_jax._src.checkpoint.safety import CheckpointDamaged, CheckpointLocked
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax._src.regrid import regrid as regrid_state
+from qsdp_jax._src.checkpoint.regrid import regrid as regrid_state
 
 __all__ = ["FORMAT", "CheckpointDamaged", "CheckpointLocked", "CheckpointMismatch", "Checkpointer", "export_state"]
 PyTree = Any

@@ -18,8 +18,8 @@
 
 Shards are 1-D with a length that is a multiple of the bucket size; full buffers are the N
 shards concatenated in device order. The payload format (packed codes, then the stats) and its
-receive side live in :mod:`qsdp_jax._src.payload`; a shard quantized into it and the gathered
-payloads read back, through the selected kernels, in :mod:`qsdp_jax._src.payload_codec`.
+receive side live in :mod:`qsdp_jax._src.quant.payload`; a shard quantized into it and the gathered
+payloads read back, through the selected kernels, in :mod:`qsdp_jax._src.quant.payload_codec`.
 """
 
 from __future__ import annotations
@@ -31,19 +31,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from qsdp_jax import kernels as qk
-from qsdp_jax._src import quantizers as qz
-from qsdp_jax._src import rotation as qr
-from qsdp_jax._src.payload_codec import (  # noqa: F401  (re-exported for callers of collectives)
+from qsdp_jax._src.quant import quantizers as qz
+from qsdp_jax._src.quant import rotation as qr
+from qsdp_jax._src.quant.payload_codec import (  # noqa: F401  (re-exported for callers of collectives)
     dequantize_payloads,
     dequantize_spans,
     quantize_payload,
     stats_kernels,
 )
-from qsdp_jax._src.gather_pair import make_coded_gather, make_gather, make_gather_pieces  # noqa: F401  (re-exported)
-from qsdp_jax._src.packing import gather_each_piece
-from qsdp_jax._src.tpu_wire import all_gather_rows, all_to_all_words
+from qsdp_jax._src.collective.gather_pair import make_coded_gather, make_gather, make_gather_pieces  # noqa: F401  (re-exported)
+from qsdp_jax._src.layout.packing import gather_each_piece
+from qsdp_jax._src.collective.tpu_wire import all_gather_rows, all_to_all_words, reduce_scatter_f32
 from qsdp_jax.kernels._tpu import sum_fits
-from qsdp_jax._src.payload import (  # noqa: F401  (the wire format; re-exported for callers of collectives)
+from qsdp_jax._src.quant.payload import (  # noqa: F401  (the wire format; re-exported for callers of collectives)
     cpu_boundary,
     dequantize_rows,
     from_payload,
@@ -88,7 +88,7 @@ def quantized_all_gather(
         for bit. None (the default): quantize on each bucket's min/max grid with ``rounding``.
       rounding: how to quantize when no grid is given: ``"nearest"`` (the default,
         ZeRO++-style), ``"stochastic"`` or ``"shift"`` (both need ``key``).
-      key: the uint32 key of the rounding's randomness (``qsdp_jax._src.randomness.derive_key``);
+      key: the uint32 key of the rounding's randomness (``qsdp_jax._src.quant.randomness.derive_key``);
         unused with a grid or ``"nearest"``.
       kernels: ``QSDPConfig.kernels``: who quantizes + packs and unpacks + dequantizes
         (:func:`qsdp_jax.kernels.select`); default ``"auto"``.
@@ -125,7 +125,7 @@ def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -
 
     bfloat16 travels bitcast to uint16: XLA's CPU backend otherwise widens bf16 collectives to
     f32, and the bytes on the wire would not be the ones the baseline claims. On TPU the parts
-    go as :func:`qsdp_jax._src.tpu_wire.all_gather_rows` sends them (bf16 as 32-bit words).
+    go as :func:`qsdp_jax._src.collective.tpu_wire.all_gather_rows` sends them (bf16 as 32-bit words).
 
     Args:
       shard: this device's shard (gathered along its first axis).
@@ -173,11 +173,11 @@ def quantized_reduce_scatter(
       bucket: elements per (scale, offset) pair, a multiple of 8.
       axis_name: the mesh axis to reduce over.
       key: the uint32 key of the rounding's randomness, the same on every device
-        (``qsdp_jax._src.randomness.derive_key``).
+        (``qsdp_jax._src.quant.randomness.derive_key``).
       rounding: ``"stochastic"`` (the default, unbiased), ``"nearest"`` or ``"shift"``.
       kernels: ``QSDPConfig.kernels`` (:func:`qsdp_jax.kernels.select`); default ``"auto"``.
       rotation: ``QSDPConfig.grad_rotation``, None (the default) or a Hadamard block size (a
-        power of 2 >= 2 dividing ``chunk``; :mod:`qsdp_jax._src.rotation`): chunk ``i`` is
+        power of 2 >= 2 dividing ``chunk``; :mod:`qsdp_jax._src.quant.rotation`): chunk ``i`` is
         rotated with signs keyed by (``key``, ``i``) before quantizing, and the receiver undoes
         it after the sum.
       stats_dtype: ``QSDPConfig.stats_dtype``: ``"float32"`` (the default) or ``"bfloat16"``.
@@ -228,7 +228,8 @@ def quantized_reduce_scatter(
 def reduce_scatter_fp(full: jax.Array, *, axis_name: str, dtype: str = "float32") -> jax.Array:
     """Plain reduce-scatter (sum) in float32 or bfloat16; float32 result.
 
-    float32 is XLA's reduce-scatter. bfloat16 is an ``all_to_all`` of the bf16 chunks (bitcast
+    float32 is XLA's reduce-scatter (on TPU an ``all_to_all`` and a sum, :func:`reduce_scatter_f32`).
+    bfloat16 is an ``all_to_all`` of the bf16 chunks (bitcast
     to uint16, see :func:`all_gather_fp`; on TPU as uint32 words, :func:`all_to_all_words`)
     summed in float32: the same bytes as a bf16 reduce-scatter, with a float32 sum.
 
@@ -242,7 +243,7 @@ def reduce_scatter_fp(full: jax.Array, *, axis_name: str, dtype: str = "float32"
       This device's chunk (``len(full) / N`` elements) of the sum over devices, float32.
     """
     if dtype == "float32":
-        return lax.psum_scatter(full.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
+        return reduce_scatter_f32(full.astype(jnp.float32), axis_name)
     num = lax.axis_size(axis_name)
     wire = lax.bitcast_convert_type(full.astype(jnp.bfloat16), jnp.uint16).reshape(num, -1)
     got = all_to_all_words(wire, axis_name)
@@ -288,7 +289,7 @@ class GatherSpec:
     @classmethod
     def from_config(cls, config) -> "GatherSpec":
         """The spec of a config's collectives on its ``axis_name`` (one level: the two-level
-        meshes' collectives are built elsewhere, ``qsdp_jax._src.hierarchy``).
+        meshes' collectives are built elsewhere, ``qsdp_jax._src.collective.hierarchy``).
 
         Args:
           config: a :class:`~qsdp_jax.QSDPConfig`.

@@ -26,12 +26,12 @@ collective-permute     operand (= result)               ``B`` (0 if no pair move
 (``Collective.count``): the product of the trip counts of the ``while`` loops around it (a
 ``lax.scan`` compiles to a ``while``; nested loops multiply).
 
-How the HLO is read: see :mod:`qsdp_jax._src.hlo_reader` (loops multiply by their known trip count,
+How the HLO is read: see :mod:`qsdp_jax._src.hlo.reader` (loops multiply by their known trip count,
 every branch of a conditional counts, async collectives count once at their start); the model
-above is applied to each collective in :mod:`qsdp_jax._src.wire_model`. A program compiled for
+above is applied to each collective in :mod:`qsdp_jax._src.hlo.wire_model`. A program compiled for
 several TPU slices sends what crosses the slices to the megascale runtime (``send`` / ``recv``
 host transfers): each is read as the collective it implements, over the slices, counted at its
-``send`` (``opcode == "send"``, no replica groups; :mod:`qsdp_jax._src.hlo_megascale`).
+``send`` (``opcode == "send"``, no replica groups; :mod:`qsdp_jax._src.hlo.megascale`).
 
 Bytes per mesh axis
 -------------------
@@ -59,7 +59,7 @@ import json
 from collections import defaultdict
 from typing import Any, Callable
 
-from qsdp_jax._src.hlo_reader import (  # noqa: F401  (DTYPE_BITS, KINDS: part of this module's API)
+from qsdp_jax._src.hlo.reader import (  # noqa: F401  (DTYPE_BITS, KINDS: part of this module's API)
     DTYPE_BITS,
     KINDS,
     HloModule,
@@ -67,9 +67,9 @@ from qsdp_jax._src.hlo_reader import (  # noqa: F401  (DTYPE_BITS, KINDS: part o
     parse_module,
     parse_replica_groups,
 )
-from qsdp_jax._src import comm_table
-from qsdp_jax._src.hlo_sites import collective_sites
-from qsdp_jax._src.wire_model import site_collectives
+from qsdp_jax._src.hlo import comm_table
+from qsdp_jax._src.hlo.sites import collective_sites
+from qsdp_jax._src.hlo.wire_model import site_collectives
 
 __all__ = [
     "Collective",
@@ -375,7 +375,7 @@ def comm_report_from_hlo(hlo_text: str, num_devices: int | None = None, *, stric
 
 
 # ----------------------------------------------------------------------------------------------
-# The report of the collective sites (their wire bytes: qsdp_jax._src.wire_model)
+# The report of the collective sites (their wire bytes: qsdp_jax._src.hlo.wire_model)
 
 
 def _analyze(module: HloModule, num_devices: int, strict: bool) -> CommReport:

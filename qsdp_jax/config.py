@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from qsdp_jax._src import config_checks as _checks
-from qsdp_jax._src import config_names as _names
-from qsdp_jax._src.config_checks import STATS_DTYPES  # noqa: F401  (qsdp_jax.config.STATS_DTYPES)
-from qsdp_jax._src.config_checks import check_bits as _check_bits
-from qsdp_jax._src.config_checks import check_choice as _check_choice
-from qsdp_jax._src.config_checks import check_int as _check_int
-from qsdp_jax._src.config_checks import fail as _fail
+from qsdp_jax._src.config import checks as _checks
+from qsdp_jax._src.config import names as _names
+from qsdp_jax._src.config.checks import STATS_DTYPES  # noqa: F401  (qsdp_jax.config.STATS_DTYPES)
+from qsdp_jax._src.config.checks import check_bits as _check_bits
+from qsdp_jax._src.config.checks import check_choice as _check_choice
+from qsdp_jax._src.config.checks import check_int as _check_int
+from qsdp_jax._src.config.checks import fail as _fail
 
 WeightMode = Literal["qsdp", "comm", "full"]
 Rounding = Literal["stochastic", "nearest"]
@@ -58,7 +58,7 @@ class QSDPConfig:
       min_shard_size: leaves with fewer elements (per layer, for layer-stacked groups) stay
         full precision and replicated on every device: biases, norm scales. An integer >= 0;
         default 4096.
-      seed: root of all quantization randomness (see ``qsdp_jax._src.quantizers.derive_key``);
+      seed: root of all quantization randomness (see ``qsdp_jax._src.quant.quantizers.derive_key``);
         an integer in ``[0, 2**32)``, default 0.
       fp_comm_dtype: dtype of the collectives that are not quantized (``"float32"``, the
         default, or ``"bfloat16"``); the bf16 FSDP baseline is ``weight_bits=grad_bits=None``
@@ -67,7 +67,7 @@ class QSDPConfig:
         fast, intra-node level); a non-empty string, default ``"fsdp"``.
       node_axis: hierarchical FSDP on a ``(node_axis, axis_name)`` mesh (e.g. ``("node",
         "local")``): the weights are sharded over both axes, node-major, and every collective
-        runs in two stages, one per level (see ``qsdp_jax._src.hierarchy``). None (the
+        runs in two stages, one per level (see ``qsdp_jax._src.collective.hierarchy``). None (the
         default): a 1-D mesh. Must differ from ``axis_name``.
       replica_axis: hybrid sharding on a ``(replica_axis, axis_name)`` mesh (e.g. ``("replica",
         "fsdp")``): sharded inside a group along ``axis_name``, replicated across groups; the
@@ -91,7 +91,7 @@ class QSDPConfig:
         ``"reference"`` (the jnp reference everywhere) or ``"interpret"`` (the kernels in
         Pallas interpret mode on any backend; slow, for tests on CPU).
       grad_rotation: None (the default), or a Hadamard block size: rotate gradient chunks
-        blockwise before quantizing them for the reduce-scatter (``qsdp_jax._src.rotation``).
+        blockwise before quantizing them for the reduce-scatter (``qsdp_jax._src.quant.rotation``).
         A power of 2 >= 2 dividing ``bucket_size``; needs quantized gradients (``grad_bits``
         not None) and a 1-D mesh.
       stats_dtype: ``"float32"`` (the default), or ``"bfloat16"``: per-bucket scale and offset
@@ -101,13 +101,13 @@ class QSDPConfig:
       weight_storage: how the train state holds the gridded weights: ``"float32"`` (the
         default) or ``"codes"``, each device's block as its packed b-bit codes (the grid's
         scales and offsets are in the optimizer state already), a quarter of the bytes at 8
-        bits; lossless, since the weights are on their grid (``qsdp_jax._src.weight_codes``).
+        bits; lossless, since the weights are on their grid (``qsdp_jax._src.quant.weight_codes``).
         ``"codes"`` needs ``weight_mode="qsdp"``.
       bit_policy: per-leaf bits by parameter path, ordered rules ``(pattern, weight_bits,
         grad_bits)``, e.g. ``(("embed/*", 8, 8), ("head/out/*", 8, None))`` (a list is
         accepted and stored as a tuple). A sharded leaf takes the bits of the first rule whose
         pattern matches its path, unmatched leaves use ``weight_bits`` / ``grad_bits`` (see
-        ``qsdp_jax._src.policy`` for the path and pattern language: ``fnmatch`` on
+        ``qsdp_jax._src.layout.policy`` for the path and pattern language: ``fnmatch`` on
         ``"group/key/key"``). Leaves with other bits go into buffers of their own (one per
         distinct bits in a group), each with its own collectives and grid. Each rule's pattern
         is a non-empty string used by no earlier rule, its bits None or 1..8. Rule bits follow

@@ -15,15 +15,15 @@ Where the settings come from, first match wins:
    ``jax.distributed.initialize()`` fills in whatever is not given.
 3. Nothing: one process, and :func:`initialize` is a no-op.
 
-The variables are read and the clusters detected in :mod:`qsdp_jax._src.cluster_env`;
-:func:`main_print` and the per-process log live in :mod:`qsdp_jax._src.process_output`.
+The variables are read and the clusters detected in :mod:`qsdp_jax._src.distributed.cluster_env`;
+:func:`main_print` and the per-process log live in :mod:`qsdp_jax._src.distributed.process_output`.
 
 :func:`initialize` is idempotent: a second call (or a call after someone else started
 ``jax.distributed``) returns the running setup. The heartbeat timeout defaults to
 10 s instead of jax's 100 s, so a dead peer does not freeze the others for minutes, and the
 start to 60 s instead of 300 s: processes that do not all connect by then each say why (nothing
 listens at the coordinator's address, or not every process joined) and exit with status 69
-(:func:`qsdp_jax._src.peers.connect_guard`); a process 0 whose port is taken stops at once.
+(:func:`qsdp_jax._src.distributed.peers.connect_guard`); a process 0 whose port is taken stops at once.
 Process 0 hosts JAX's coordination service in a helper process that outlives it
 (``service_helper``), so that its death does not abort the others from C++ before they can say
 why; :func:`shutdown` stops the helper, and without it the helper stops
@@ -49,15 +49,16 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from qsdp_jax._src import peers, service_host
-from qsdp_jax._src.agreement import (  # noqa: F401  (part of this module's API)
+from qsdp_jax._src.distributed import peers
+from qsdp_jax._src.distributed import service_host
+from qsdp_jax._src.distributed.agreement import (  # noqa: F401  (part of this module's API)
     AgreementTimeout,
     SettingsMismatch,
     agree_on_error,
     check_agreement,
     from_process_0,
 )
-from qsdp_jax._src.cluster_env import (  # noqa: F401  (the variables' names: part of this module's API)
+from qsdp_jax._src.distributed.cluster_env import (  # noqa: F401  (the variables' names: part of this module's API)
     ENV_COORDINATOR,
     ENV_HEARTBEAT,
     ENV_INIT,
@@ -70,8 +71,8 @@ from qsdp_jax._src.cluster_env import (  # noqa: F401  (the variables' names: pa
     detect_cluster,
     settings_from_env,
 )
-from qsdp_jax._src.stop_vote import StopVote  # noqa: F401  (part of this module's API)
-from qsdp_jax._src.process_output import (  # noqa: F401  (part of this module's API)
+from qsdp_jax._src.distributed.stop_vote import StopVote  # noqa: F401  (part of this module's API)
+from qsdp_jax._src.distributed.process_output import (  # noqa: F401  (part of this module's API)
     enable_process_log,
     is_main_process,
     main_print,
@@ -119,11 +120,11 @@ class DistributedSettings:
         integer >= 1, default 30).
       init_timeout_s: seconds the processes wait for each other at start (an integer >= 1,
         default 60); then each says what is wrong (see
-        :func:`qsdp_jax._src.peers.connect_guard`) and exits with status 69.
+        :func:`qsdp_jax._src.distributed.peers.connect_guard`) and exits with status 69.
       cluster_detection: ``None`` (auto), a jax method name (``"slurm"``, ``"ompi"``,
         ``"gcetpu"``, ``"gketpu"``, ``"mpi4py"``, ``"k8s"``) or ``"deactivate"``.
       service_helper: True (the default): process 0 hosts JAX's coordination service in a
-        helper process that outlives it (:mod:`qsdp_jax._src.service_host`), so that its death
+        helper process that outlives it (:mod:`qsdp_jax._src.distributed.service_host`), so that its death
         reaches the others as missed heartbeats, after ``heartbeat_timeout_s``, and not as
         JAX's immediate C++ abort; the peer monitor (:func:`watch_peers`) then ends them first,
         with its message. False: jax's own arrangement (the service inside process 0). Used
@@ -369,12 +370,12 @@ def watch_peers(timeout_s: float = 10.0, **kwargs) -> "peers.PeerMonitor":
     Args:
       timeout_s: seconds of silence after which a process counts as frozen or unreachable
         (> 0, default 10; a process whose connection closes is seen at once).
-      **kwargs: further :class:`qsdp_jax._src.peers.PeerMonitor` options: ``exit_code`` (this
+      **kwargs: further :class:`qsdp_jax._src.distributed.peers.PeerMonitor` options: ``exit_code`` (this
         process's status when a peer is lost, default 75) and ``connect_timeout_s`` (how long
         to wait for process 0's port and the connection, default 60).
 
     Returns:
-      The started :class:`qsdp_jax._src.peers.PeerMonitor`.
+      The started :class:`qsdp_jax._src.distributed.peers.PeerMonitor`.
 
     Raises:
       ValueError: ``timeout_s`` is not > 0.

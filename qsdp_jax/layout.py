@@ -10,7 +10,7 @@ depend on the device count (a checkpoint reshards with its grid unchanged, and t
 QSDP step equals the single-device one bit for bit). Any other leaf is *replicated* on every
 device in full precision (its gradient averaged); a large leaf that divides on no dimension is
 replicated with a warning naming it (pad the model's dimension to fix it). The rule is applied
-group by group in :mod:`qsdp_jax._src.group_layout`, home of ``GroupLayout`` and ``LeafLayout``.
+group by group in :mod:`qsdp_jax._src.layout.group`, home of ``GroupLayout`` and ``LeafLayout``.
 
 **Buckets** live inside one device's shard: device ``i``'s block of a leaf, flattened
 row-major and padded to whole buckets, holds buckets ``i * nb .. (i + 1) * nb - 1`` of that leaf
@@ -19,7 +19,7 @@ row-major and padded to whole buckets, holds buckets ``i * nb .. (i + 1) * nb - 
 
 **Communication** stays one collective per group (per layer): inside the step each group's local
 shards are packed into one flat buffer (each leaf's block padded to whole buckets, then
-concatenated: :mod:`qsdp_jax._src.packing`), all-gathered (quantized) and decoded into the full
+concatenated: :mod:`qsdp_jax._src.layout.packing`), all-gathered (quantized) and decoded into the full
 leaves; the gradient comes back through one reduce-scatter of the same buffer. An unquantized
 gather sends each leaf's block in an all-gather of its own (the same bytes; no copy of each leaf
 out of a gathered float buffer). A bit policy gives a group one buffer per distinct bits.
@@ -34,9 +34,9 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from qsdp_jax._src import policy
-from qsdp_jax._src.group_layout import GroupLayout, LeafLayout, build_group, shard_dim  # noqa: F401  (re-exported)
-from qsdp_jax._src.policy import Buffer
+from qsdp_jax._src.layout import policy
+from qsdp_jax._src.layout.group import GroupLayout, LeafLayout, build_group, shard_dim  # noqa: F401  (re-exported)
+from qsdp_jax._src.layout.policy import Buffer
 
 PyTree = Any
 
@@ -172,7 +172,7 @@ class ParamLayout:
 
         Args:
           key: the buffer's key: the group's name for the buffer at the config's bits,
-            ``"group@W8G8"`` for a bit policy's (see ``qsdp_jax._src.policy.buffer_key``).
+            ``"group@W8G8"`` for a bit policy's (see ``qsdp_jax._src.layout.policy.buffer_key``).
 
         Returns:
           The buffer.
@@ -295,7 +295,7 @@ class ParamLayout:
         return "\n".join(rows)
 
     def bits_table(self, config=None) -> str:
-        """The bits of every sharded leaf, buffer by buffer (``qsdp_jax._src.policy.bits_table``).
+        """The bits of every sharded leaf, buffer by buffer (``qsdp_jax._src.layout.policy.bits_table``).
 
         Args:
           config: the run's ``QSDPConfig``, to write out the bits of the buffers at the config's

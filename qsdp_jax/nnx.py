@@ -18,22 +18,22 @@ The module stays yours: the state owns copies of what it holds, so no step donat
 array of the module (or of an ``nnx.clone`` of it). Between steps the module computes with the
 weights of its last :func:`update` (those of :func:`init_state` before the first), so a
 ``loss_fn`` that computes with it (a closure) instead of the module it is given is refused
-while the step traces (``qsdp_jax._src.nnx_closure``). The train
+while the step traces (``qsdp_jax._src.nnx.closure``). The train
 step runs the module in training mode and the eval step in eval mode (as ``model.train()`` /
 ``model.eval()`` set them) whatever mode the module is in; ``mode=None`` runs it as it was when
 the step was built.
 
 The parameter groups (the unit of one gather), the layer stacks (nested ones included, e.g.
 ``"trunk/layers"``) and the model state come from the module tree
-(``qsdp_jax._src.nnx_tree``; ``describe(model).groups`` lists what was found). The
+(``qsdp_jax._src.nnx.tree``; ``describe(model).groups`` lists what was found). The
 step is ``qsdp_jax.make_train_step`` with a loss that merges the module from its cached
-``GraphDef`` with parameters gathered on first read (``qsdp_jax._src.nnx_scan``). Layer stacks
+``GraphDef`` with parameters gathered on first read (``qsdp_jax._src.nnx.scan``). Layer stacks
 are gathered one layer at a time where the forward scans them with :func:`scan` (the
 ``nnx.scan`` drop-in); read any other way a stack is gathered whole, with a warning, and
 ``step.summary(state, batch)`` states the memory this costs. A group that is a module called
 through its ``__call__`` (a block of an ``nnx.List`` in a Python loop) is gathered for the call
 and gathered again in the backward pass (``reshard_after_forward``, PyTorch FSDP2's; the rules
-in ``qsdp_jax._src.nnx_reshard``), so a list of blocks holds about one block's weights too.
+in ``qsdp_jax._src.nnx.reshard``), so a list of blocks holds about one block's weights too.
 With ``take_embeddings=True`` an ``nnx.Embed`` lookup reads its rows from the devices' blocks
 (``ParamAccess.take``) instead of gathering its table.
 
@@ -58,12 +58,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qsdp_jax import train
 
-from qsdp_jax._src import guards
+from qsdp_jax._src.step import guards
 from qsdp_jax.config import QSDPConfig
-from qsdp_jax._src.nnx_scan import scan  # noqa: F401  (re-exported: qsdp_jax.nnx.scan)
-from qsdp_jax._src.nnx_step import TrainStep
-from qsdp_jax._src.nnx_tree import ModelDef, describe, group_params, model_state, path_str, set_model_state, set_params  # noqa: F401
-from qsdp_jax._src.nnx_checks import INT_HINT, check_fits, param_label, state_label
+from qsdp_jax._src.nnx.scan import scan  # noqa: F401  (re-exported: qsdp_jax.nnx.scan)
+from qsdp_jax._src.nnx.step import TrainStep
+from qsdp_jax._src.nnx.tree import ModelDef, describe, group_params, model_state, path_str, set_model_state, set_params  # noqa: F401
+from qsdp_jax._src.nnx.checks import INT_HINT, check_fits, param_label, state_label
 
 PyTree = Any
 
@@ -97,7 +97,7 @@ def init_state(
       optimizer: as for ``qsdp_jax.init_train_state``.
       mesh: the mesh the steps run on.
       config: the run's config.
-      stacked: the layer-stack groups, where the automatic rule (``qsdp_jax._src.nnx_tree``)
+      stacked: the layer-stack groups, where the automatic rule (``qsdp_jax._src.nnx.tree``)
         guesses wrong: top-level group names or paths of nested sub-modules
         (``"trunk/layers"``); pass the same to :func:`make_train_step`. None (the default):
         the automatic rule, which also finds stacks nested below the top level.
@@ -237,7 +237,7 @@ def make_train_step(
         arithmetic either way (the same values up to XLA's fusion choices).
       take_embeddings: False (the default): an ``nnx.Embed`` lookup reads the table, which
         gathers its group. True: it reads the looked-up rows from the devices' blocks
-        (``ParamAccess.take``; ``qsdp_jax._src.nnx_take``), so no device holds the whole table for
+        (``ParamAccess.take``; ``qsdp_jax._src.nnx.take``), so no device holds the whole table for
         the lookup and a tied table is gathered for its ``attend`` alone. The rows travel in
         float32, each device's rows to every device: worth it for a large vocabulary on few
         devices (GPT-2's at 8 devices), not for a small one.
@@ -254,10 +254,10 @@ def make_train_step(
         one ``lax.scan`` with one compiled body per distinct block graph (a local and a global
         attention layer), so compile time no longer grows with the block count; the same
         values and gradients up to XLA's fusion choices (the rule:
-        ``qsdp_jax._src.nnx_chain``). False: every block call unrolled. None (the default):
+        ``qsdp_jax._src.nnx.chain``). False: every block call unrolled. None (the default):
         True, except on GPUs with ``overlap=True``, where XLA's collective pipelining of the
         chain's loops cost more compile time than the chain saved
-        (``qsdp_jax._src.overlap.scan_blocks_default``). Only with ``reshard_after_forward``.
+        (``qsdp_jax._src.collective.overlap.scan_blocks_default``). Only with ``reshard_after_forward``.
 
     Returns:
       The :class:`TrainStep`; metrics as ``qsdp_jax.make_train_step``.

@@ -13,7 +13,7 @@ the base transformation runs on the model's own pytree of global, sharded arrays
 ``shard_map``: every optax transformation (``clip_by_global_norm``, LAMB, LARS, Adafactor, Muon,
 masks keyed on the params' structure) computes exactly what it computes on one device, XLA adding
 the cross-device reductions a norm needs. Only the projection and snap run per device, on the
-buckets of each device's shard (:mod:`qsdp_jax._src.grid`); bucket ids are global.
+buckets of each device's shard (:mod:`qsdp_jax._src.quant.grid`); bucket ids are global.
 
 In a plain single-device loop every floating leaf with at least ``config.min_shard_size``
 elements is kept on its grid; smaller leaves are updated in full precision.
@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qsdp_jax._src import grid as qgrid
+from qsdp_jax._src.quant import grid as qgrid
 from qsdp_jax.config import QSDPConfig, check_config
-from qsdp_jax._src.grid import layout_context  # noqa: F401  (re-exported: ``optim.layout_context``)
-from qsdp_jax._src.payload import cpu_boundary
-from qsdp_jax._src.compact_moments import (  # noqa: F401  (re-exported)
+from qsdp_jax._src.quant.grid import layout_context  # noqa: F401  (re-exported: ``optim.layout_context``)
+from qsdp_jax._src.quant.payload import cpu_boundary
+from qsdp_jax._src.quant.compact_moments import (  # noqa: F401  (re-exported)
     CompactMomentsState,
     compact_moments,
     stochastic_bfloat16,

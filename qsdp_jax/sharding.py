@@ -101,7 +101,7 @@ def check_mesh(mesh: Mesh, axis_name: str) -> int:
     """The size of ``axis_name`` in a 1-D ``mesh``; a clear error if the axis is missing.
 
     Multi-axis meshes (hierarchical ``node_axis`` / hybrid ``replica_axis``) are checked
-    against their config by :func:`qsdp_jax._src.hierarchy.mesh_sizes` instead; this helper
+    against their config by :func:`qsdp_jax._src.collective.hierarchy.mesh_sizes` instead; this helper
     points there rather than guessing which axes shard the weights.
     """
     if not isinstance(mesh, Mesh):
@@ -114,7 +114,7 @@ def check_mesh(mesh: Mesh, axis_name: str) -> int:
     if len(mesh.axis_names) != 1:
         raise ValueError(
             f"check_mesh handles 1-D meshes only, got axes {mesh.axis_names}; for a 2-D mesh "
-            "use qsdp_jax._src.hierarchy.mesh_sizes(mesh, config), which checks it against "
+            "use qsdp_jax._src.collective.hierarchy.mesh_sizes(mesh, config), which checks it against "
             "QSDPConfig.node_axis / replica_axis"
         )
     return mesh.shape[axis_name]

@@ -11,9 +11,9 @@ Usage::
 
 ``state.params`` is the model's own pytree of global arrays, each leaf sharded over the FSDP
 axis by the rule of :mod:`qsdp_jax.layout` (with ``QSDPConfig(weight_storage="codes")`` a gridded
-leaf is held as its packed codes, :mod:`qsdp_jax._src.weight_codes`; :func:`gather_params`
+leaf is held as its packed codes, :mod:`qsdp_jax._src.quant.weight_codes`; :func:`gather_params`
 decodes); the optimizer state is sharded like its params
-(:mod:`qsdp_jax._src.state_specs`). ``loss_fn(p: ParamAccess, batch) -> loss`` (or ``(loss, aux)``
+(:mod:`qsdp_jax._src.layout.state_specs`). ``loss_fn(p: ParamAccess, batch) -> loss`` (or ``(loss, aux)``
 with ``has_aux=True``) reads its parameters through ``p.gather(group)`` / ``p.scan(group, body,
 carry)`` (``qsdp_jax.access``). One step:
 
@@ -23,7 +23,7 @@ carry)`` (``qsdp_jax.access``). One step:
    ``lax.scan`` and rematerialises the layer in the backward pass; the backward of each gather
    reduce-scatters that buffer's gradient (quantized), so each device receives the summed
    gradient of its own blocks; replicated small leaves' gradients are averaged
-   (:mod:`qsdp_jax._src.sharded_access`);
+   (:mod:`qsdp_jax._src.step.sharded_access`);
 2. **the optimizer in the global view**, outside the ``shard_map``: any optax transformation
    computes what it computes on one device; in ``"qsdp"`` mode ``qsdp_jax.optim.qsdp`` projects
    the new weights onto fresh grids per device block, and they are snapped exactly onto them;
@@ -44,15 +44,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qsdp_jax import optim as qoptim
 from qsdp_jax.config import QSDPConfig, check_config
-from qsdp_jax._src.grid import layout_context
-from qsdp_jax._src.guards import CheckedStep, check_batch, check_params, check_stacked, warn_padding
-from qsdp_jax._src.hierarchy import mesh_sizes
-from qsdp_jax._src.overlap import compiler_options
-from qsdp_jax._src.sharded_access import ShardedParams  # noqa: F401  (re-exported)
-from qsdp_jax._src.step_body import grid_for_step, local_grads, local_loss, sharded_body
+from qsdp_jax._src.quant.grid import layout_context
+from qsdp_jax._src.step.guards import CheckedStep, check_batch, check_params, check_stacked, warn_padding
+from qsdp_jax._src.collective.hierarchy import mesh_sizes
+from qsdp_jax._src.collective.overlap import compiler_options, prefetch_layers
+from qsdp_jax._src.step.sharded_access import ShardedParams  # noqa: F401  (re-exported)
+from qsdp_jax._src.step.body import grid_for_step, local_grads, local_loss, sharded_body
 from qsdp_jax.layout import ParamLayout
-from qsdp_jax._src.state_specs import opt_state_shardings, opt_state_specs
-from qsdp_jax._src import weight_codes as wc
+from qsdp_jax._src.layout.state_specs import opt_state_shardings, opt_state_specs
+from qsdp_jax._src.quant import weight_codes as wc
 
 PyTree = Any
 
@@ -244,10 +244,12 @@ def make_train_step(
       aux_out_spec: out_specs for ``aux`` (default ``P(axis)``: per-device values concatenated
         on their leading axis; give ``jax.P()`` for values that are the same everywhere).
       donate: donate the input state's buffers to the output.
-      overlap: True (the default): on GPUs the step is compiled with XLA's collective
-        pipelining, which gathers the next layer while this one computes and reduce-scatters a
-        layer's gradient while the next one computes (one more layer's weights held;
-        ``qsdp_jax._src.overlap``). False: the compiler's defaults. No effect on CPU and TPU.
+      overlap: True (the default): each layer's gather travels while the previous layer
+        computes, and a layer's gradient reduce-scatter while the next one computes (one more
+        layer's weights held; ``qsdp_jax._src.collective.overlap``). On GPUs XLA's collective
+        pipelining does it; on TPUs the layer loops prefetch the next layer themselves
+        (``ParamAccess.scan``) and the step is compiled with XLA:TPU's async collective
+        options. False: the compiler's defaults, no prefetch. No effect on CPU.
 
     Returns:
       The step; it also has the jitted function's ``lower`` (e.g. for
@@ -265,6 +267,15 @@ def make_train_step(
       RuntimeError: calling the step with a state that was donated to an earlier call.
     """
     check_config(config)
+    step_fn = train_step_fn(loss_fn, optimizer, mesh, config, has_aux, aux_out_spec, prefetch_layers(mesh, overlap))
+    options = compiler_options(mesh, overlap)
+    return CheckedStep(jax.jit(step_fn, donate_argnums=(0,) if donate else (), compiler_options=options), mesh)
+
+
+def train_step_fn(loss_fn, optimizer, mesh: Mesh, config: QSDPConfig, has_aux, aux_out_spec, prefetch: bool):
+    """:func:`make_train_step`'s step before ``jax.jit`` (the NNX front door calls it inside its
+    own jit); ``prefetch``: the layer loops gather the next layer while this one computes."""
+    check_config(config)
     _, n_dev = mesh_sizes(mesh, config)
     axes, batch_axes = config.shard_axes, config.batch_axes
 
@@ -277,7 +288,7 @@ def make_train_step(
         grid = grid_for_step(state.opt_state, config)
         aux_spec = P(batch_axes) if aux_out_spec is None else aux_out_spec
         body = sharded_body(
-            local_grads(loss_fn, layout, config, has_aux, n_dev),
+            local_grads(loss_fn, layout, config, has_aux, n_dev, prefetch),
             mesh,
             config,
             layout,
@@ -296,8 +307,7 @@ def make_train_step(
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, layout=layout)
         return (new_state, metrics, aux) if has_aux else (new_state, metrics)
 
-    options = compiler_options(mesh, overlap)
-    return CheckedStep(jax.jit(step_fn, donate_argnums=(0,) if donate else (), compiler_options=options), mesh)
+    return step_fn
 
 
 def _update(optimizer, config: QSDPConfig, mesh: Mesh, layout: ParamLayout, state: TrainState, grads):
@@ -365,7 +375,8 @@ def make_eval_step(
         layout = state.layout
         wc.check_stored(state.params, state.layout, config)
         grid = grid_for_step(state.opt_state, config)
-        body = sharded_body(local_loss(loss_fn, layout, config), mesh, config, layout, grid, batch, P())
+        local = local_loss(loss_fn, layout, config, prefetch_layers(mesh, overlap))
+        body = sharded_body(local, mesh, config, layout, grid, batch, P())
         return body(state.step, state.params, batch)
 
     return CheckedStep(jax.jit(eval_fn, compiler_options=compiler_options(mesh, overlap)), mesh)

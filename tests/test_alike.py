@@ -1,4 +1,4 @@
-"""``qsdp_jax._src.alike``: an item of a list picked by a traced index, and stacked arrays
+"""``qsdp_jax._src.layout.alike``: an item of a list picked by a traced index, and stacked arrays
 sliced apart, as plain indexing does; integers XLA cannot fold, equal to themselves."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 
 import pytest
 
-from qsdp_jax._src.alike import apart, opaque_ints, pick
+from qsdp_jax._src.layout.alike import apart, opaque_ints, pick
 
 
 def test_pick_and_apart_are_indexing_and_differentiate():

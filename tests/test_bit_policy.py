@@ -1,4 +1,4 @@
-"""Per-leaf bit policies (QSDPConfig.bit_policy, qsdp_jax._src.policy): config checks, the layout's
+"""Per-leaf bit policies (QSDPConfig.bit_policy, qsdp_jax._src.layout.policy): config checks, the layout's
 buffers, DESIGN.md invariants 2-5 for a policy config, summaries, the trainer flag, NNX."""
 
 import dataclasses

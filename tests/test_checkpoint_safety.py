@@ -1,5 +1,5 @@
 """Checkpoints a user cannot lose by habit: a script that ends without wait(), damaged files,
-two writers, read-only and full disks (qsdp_jax._src.checkpoint_safety)."""
+two writers, read-only and full disks (qsdp_jax._src.checkpoint.safety)."""
 
 from __future__ import annotations
 
@@ -215,13 +215,13 @@ def test_one_writer_per_directory(tmp_path):
 
 
 def test_a_killed_writer_leaves_no_stale_lock(tmp_path):
-    from qsdp_jax._src.checkpoint_safety import WriterLock
+    from qsdp_jax._src.checkpoint.safety import WriterLock
 
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time; from qsdp_jax._src.checkpoint_safety import WriterLock;"
+            "import sys, time; from qsdp_jax._src.checkpoint.safety import WriterLock;"
             "WriterLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)",
             str(tmp_path),
         ],

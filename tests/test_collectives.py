@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
 from qsdp_jax import collectives as qc
-from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.quant import quantizers as qz
 
 N = 8
 BUCKET = 64
@@ -171,7 +171,7 @@ def test_fp_collectives_match_lax(mesh):
 def test_all_to_all_as_words_moves_the_same_bits(mesh, dtype, width):
     """TPU's all-to-all of 8/16-bit rows as uint32 words (:func:`all_to_all_words`), run here on
     CPU: the same bits as ``lax.all_to_all``, rows padded to whole words or not."""
-    from qsdp_jax._src.tpu_wire import _all_to_all_as_words
+    from qsdp_jax._src.collective.tpu_wire import _all_to_all_as_words
 
     if dtype == jnp.bfloat16:  # finite: XLA:CPU's own bf16 all-to-all canonicalises NaN bits
         x = jax.random.normal(jax.random.key(3), (N * N, 2, width)).astype(dtype)
@@ -193,7 +193,7 @@ def test_all_gather_as_tpu_words_moves_the_same_bits(mesh, dtype, width, tiled):
     """TPU's all-gather with each device's part as uint32 words, a multiple of 128 of them
     (``tpu_wire.all_gather_rows``: XLA:TPU runs an unaligned one as an all-reduce, and no uint8
     one asynchronously), run here on CPU: the same result as ``lax.all_gather``."""
-    from qsdp_jax._src.tpu_wire import _as_words
+    from qsdp_jax._src.collective.tpu_wire import _as_words
 
     x = jax.random.bits(jax.random.key(4), (N * width,), jnp.uint32).astype(dtype)
     out = P() if tiled else P(None)
@@ -305,7 +305,7 @@ def test_gather_pieces_are_the_gathered_buffer_cut_and_their_vjp_the_reduce_scat
     """make_gather_pieces against make_gather + split_flat (the reference): the same pieces bit
     for bit (comm mode, pieces of whole and partial buckets, a gap between them) and the same
     gradient; and make_coded_gather of the shard's own payload equals both."""
-    from qsdp_jax._src.packing import split_flat
+    from qsdp_jax._src.layout.packing import split_flat
 
     config = q.QSDPConfig(weight_mode="comm", weight_bits=bits, grad_bits=8, bucket_size=BUCKET)
     spec = qc.GatherSpec.from_config(config)
@@ -345,7 +345,7 @@ def test_unquantized_gather_pieces_gather_each_piece_alone(mesh, name):
     to copy the leaves out of)."""
     import re
 
-    from qsdp_jax._src.packing import split_flat
+    from qsdp_jax._src.layout.packing import split_flat
 
     config = getattr(q.QSDPConfig, name)(bucket_size=BUCKET)
     spec = qc.GatherSpec.from_config(config)

@@ -15,7 +15,7 @@ import toymodel
 from experiments.shelf import wire_bytes
 from qsdp_jax import collectives as qc
 from qsdp_jax import optim
-from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.quant import quantizers as qz
 from qsdp_jax.checkpoint import Checkpointer
 
 N, BUCKET, AXIS = 8, 64, "fsdp"

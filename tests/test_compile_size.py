@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import qsdp_jax as q
-from qsdp_jax._src.payload import cpu_boundary
+from qsdp_jax._src.quant.payload import cpu_boundary
 
 
 def _compiled_step(n_leaves: int, config: q.QSDPConfig, shape=(64,)) -> str:

@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
-from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.quant import quantizers as qz
 import toymodel
-from qsdp_jax._src import hierarchy as hi
+from qsdp_jax._src.collective import hierarchy as hi
 from qsdp_jax import comm, optim
 from qsdp_jax.collectives import payload_size
 

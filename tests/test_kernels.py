@@ -19,7 +19,7 @@ from qsdp_jax import collectives as qc
 from qsdp_jax import kernels as qk
 from qsdp_jax.kernels import dispatch
 from qsdp_jax import optim
-from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.quant import quantizers as qz
 
 JAX_MINOR = tuple(int(v) for v in jax.__version__.split(".")[:2])
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qsdp_jax._src.layer_scan import remat_scan
+from qsdp_jax._src.step.layer_scan import remat_scan
 
 L, D = 4, 16
 

@@ -15,7 +15,7 @@ from flax import nnx
 import qsdp_jax as q
 from qsdp_jax import comm
 from qsdp_jax import nnx as qnnx
-from qsdp_jax._src.nnx_tree import describe
+from qsdp_jax._src.nnx.tree import describe
 
 N = 8
 SMALL = dict(bucket_size=64, min_shard_size=64)  # 7x13 = 91 elements: sharded

@@ -1,4 +1,4 @@
-"""Blocks of an ``nnx.List`` called in a loop run as one scan (``qsdp_jax._src.nnx_chain``): one
+"""Blocks of an ``nnx.List`` called in a loop run as one scan (``qsdp_jax._src.nnx.chain``): one
 compiled body per distinct block graph, the values and gradients of the unrolled calls."""
 
 import re

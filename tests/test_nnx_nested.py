@@ -9,7 +9,7 @@ from flax import nnx
 
 import qsdp_jax as q
 from qsdp_jax import nnx as qnnx
-from qsdp_jax._src.nnx_tree import describe, group_params
+from qsdp_jax._src.nnx.tree import describe, group_params
 from qsdp_jax import comm
 from tests.test_nnx import Block, _reference, _sharded, _stacked_batch, block_stack, check_scanned_stack, mse, run_stack
 

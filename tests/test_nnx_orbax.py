@@ -143,7 +143,7 @@ def test_a_plain_orbax_script_restores_the_module(tmp_path):
 def test_a_checkpoint_of_the_earlier_nnx_layout_still_reads():
     """Before the optimizer state was nested, an NNX checkpoint stored its params by module path
     (``meta["module_paths"]``) and the other leaves under record names: read as it was."""
-    from qsdp_jax._src.checkpoint_arrays import from_item
+    from qsdp_jax._src.checkpoint.arrays import from_item
 
     w, mu, step = np.arange(6.0).reshape(2, 3), np.ones((2, 3)), np.asarray(7)
     got = {"params": {"trunk": {"layers": {"0": {"w": w}}}}, "state": {"leaf_0000": mu, "leaf_0001": step}}

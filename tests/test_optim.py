@@ -13,7 +13,7 @@ from flax import nnx
 
 import qsdp_jax as q
 from qsdp_jax import optim
-from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.quant import quantizers as qz
 
 BUCKET = 64
 CFG8 = q.QSDPConfig.qsdp(8, 8, bucket_size=BUCKET, min_shard_size=256, weight_rounding="shift")

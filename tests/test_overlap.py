@@ -16,7 +16,7 @@ import pytest
 import qsdp_jax as q
 from experiments.gpt.model import GPT, GPTConfig
 from experiments.shelf import schedule, targets
-from qsdp_jax._src.overlap import GPU_OPTIONS, compiler_options
+from qsdp_jax._src.collective.overlap import GPU_OPTIONS, compiler_options
 
 NO_CUDA = importlib.util.find_spec("jax_cuda13_plugin") is None
 
@@ -84,7 +84,7 @@ def test_the_nnx_front_door_compiles_for_gpus_with_the_options():
 
 
 def test_blocks_are_chained_by_default_except_under_the_gpu_pipelining():
-    from qsdp_jax._src.overlap import scan_blocks_default
+    from qsdp_jax._src.collective.overlap import scan_blocks_default
 
     mesh = q.make_mesh()  # XLA:CPU devices: no options, chained
     assert scan_blocks_default(mesh, True) and scan_blocks_default(mesh, False)
@@ -92,7 +92,7 @@ def test_blocks_are_chained_by_default_except_under_the_gpu_pipelining():
 
 @pytest.mark.skipif(NO_CUDA, reason="the CUDA plugin is not installed")
 def test_gpu_blocks_are_unrolled_under_the_pipelining_and_chained_without_it():
-    from qsdp_jax._src.overlap import scan_blocks_default
+    from qsdp_jax._src.collective.overlap import scan_blocks_default
 
     mesh = q.make_mesh(devices=targets.devices(targets.TARGETS["h100-8"]))
     assert not scan_blocks_default(mesh, True) and scan_blocks_default(mesh, False)

@@ -1,4 +1,4 @@
-"""qsdp_jax._src.peers and qsdp_jax._src.agreement without a cluster: the start-up guard's messages, the
+"""qsdp_jax._src.distributed.peers and qsdp_jax._src.distributed.agreement without a cluster: the start-up guard's messages, the
 coordinator port check, the settings comparison; one process makes every check a no-op."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 
 from qsdp_jax import distributed
 
-from qsdp_jax._src import agreement, peers
+from qsdp_jax._src.distributed import agreement
+from qsdp_jax._src.distributed import peers
 
 
 def _guard_message(capsys, address, process_id, n=2):

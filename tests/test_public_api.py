@@ -35,7 +35,7 @@ def test_submodule_namespaces_resolve_after_importing_the_package():
 
 def test_version_is_written_once_and_the_package_is_typed():
     import qsdp_jax
-    from qsdp_jax._src.checkpoint_record import library_version
+    from qsdp_jax._src.checkpoint.record import library_version
 
     assert library_version() == qsdp_jax.__version__
     assert (Path(qsdp_jax.__file__).parent / "py.typed").is_file()

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import qsdp_jax as q
 from qsdp_jax import collectives as qc
-from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.quant import quantizers as qz
 
 CHUNKS = 8
 pytestmark = pytest.mark.optimized  # the digests were computed with XLA's default optimizations

@@ -15,7 +15,7 @@ import qsdp_jax as q
 import toymodel
 from qsdp_jax import collectives as qc
 from qsdp_jax import optim
-from qsdp_jax._src import rotation as qr
+from qsdp_jax._src.quant import rotation as qr
 from qsdp_jax.checkpoint import Checkpointer
 
 N, BUCKET, AXIS = 8, 64, "fsdp"

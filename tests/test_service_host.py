@@ -17,7 +17,7 @@ import pytest
 
 from experiments.shelf.multiproc import find_free_port
 from qsdp_jax import distributed
-from qsdp_jax._src.service_host import ServiceHost
+from qsdp_jax._src.distributed.service_host import ServiceHost
 from tests.process_env import REPO, process_env
 
 HEARTBEAT_S = 3

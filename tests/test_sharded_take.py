@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from qsdp_jax._src.sharded_take import Split, take_rows
+from qsdp_jax._src.collective.sharded_take import Split, take_rows
 
 IDS_PER_DEVICE = (1, 3)  # 24 ids on 8 devices: fewer than the tables' rows
 

@@ -89,7 +89,7 @@ def test_shard_dim_rule():
 
 def test_pack_unpack_roundtrip_inside_shard_map():
     """Copy-in of every device's blocks, an all-gather, copy-out: the full leaves, exactly."""
-    from qsdp_jax._src import packing
+    from qsdp_jax._src.layout import packing
 
     r = np.random.default_rng(3)
     params = {
@@ -122,7 +122,7 @@ def test_pack_unpack_roundtrip_inside_shard_map():
 
 @pytest.mark.parametrize("lead", [(), (3,)])
 def test_split_flat_gradient_matches_slicing_and_is_one_concatenation(lead):
-    from qsdp_jax._src.packing import split_flat
+    from qsdp_jax._src.layout.packing import split_flat
 
     spans = ((0, 5), (8, 3), (16, 10))  # gaps between pieces and after the last
     flat = jnp.asarray(np.random.default_rng(1).normal(size=(*lead, 32)), jnp.float32)

@@ -30,6 +30,7 @@ if os.environ.get("CI") == "true":
 else:
     pytest.importorskip("libtpu", reason="libtpu is not installed (pip install -e '.[aot-tpu]')")
 from experiments.bench import tpu_kernels  # noqa: E402  (after the skip: it needs libtpu)
+from experiments.shelf import schedule  # noqa: E402
 from experiments.shelf.targets import tpu_devices  # noqa: E402
 
 GENERATIONS = ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2")
@@ -88,7 +89,7 @@ def test_train_step_compiles_for_v5e_with_the_pallas_kernels(weights, grads):
         # the gradients' all-to-all moves 32-bit words on TPU (tpu_wire.all_to_all_words: XLA:TPU
         # compiles a uint8 all-to-all in time linear in its size)
         a2a = [
-            line.split("all-to-all")[0]
+            line.split(" = ", 1)[1].split("all-to-all")[0]  # the result's shape
             for line in text.splitlines()
             if "all-to-all(" in line or "all-to-all-start(" in line
         ]
@@ -101,6 +102,30 @@ def test_train_step_compiles_for_v5e_with_the_pallas_kernels(weights, grads):
         assert ("all-gather", "u8") not in by, by
     assert " conditional(" not in text  # cpu_boundary's conditional folds away off the CPU
     assert compiled.memory_analysis().temp_size_in_bytes > 0
+    # overlap=True (the default) on TPU: the layer loops prefetch the next layer and XLA:TPU's
+    # async collective options run every layer-loop collective under the layer's matmuls
+    found = schedule.summary(schedule.sites(text))
+    for name in ("forward loop", "backward loop"):
+        row = found[name]
+        assert row["collectives"] >= 1 and row["hidden"] == row["collectives"], (name, found)
+    kinds = {s.kind for s in schedule.sites(text) if s.in_loop and s.backward}
+    assert kinds == {"all-gather", "all-to-all"}, kinds  # the gradient's scatter: an all-to-all
+
+
+def test_without_overlap_a_tpu_step_neither_prefetches_nor_hides():
+    """``overlap=False``: no TPU options and no prefetch: the forward loop's gather is exposed."""
+    from qsdp_jax._src.collective import overlap
+
+    mesh = q.make_mesh(devices=tpu_devices("v5e:2x2"))
+    assert overlap.prefetch_layers(mesh, True) and overlap.compiler_options(mesh, True) == overlap.TPU_OPTIONS
+    assert not overlap.prefetch_layers(mesh, False) and overlap.compiler_options(mesh, False) is None
+    cfg = q.QSDPConfig.qsdp(8, 8, kernels="reference", bucket_size=128, min_shard_size=128)
+    opt = optim.qsdp(optax.adam(1e-2), cfg)
+    state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), toymodel.batch(0, n=32))
+    step = q.make_train_step(toymodel.loss, opt, mesh, cfg, overlap=False)
+    found = schedule.summary(schedule.sites(step.lower(state, batch).compile().as_text()))
+    assert found["forward loop"]["hidden"] == 0, found
 
 
 def test_two_slices_make_the_outer_axis_and_their_two_level_step_compiles():

@@ -214,7 +214,7 @@ def test_checkpoints_of_float32_held_weights_made_before_the_field_still_restore
     """A checkpoint record has ``weight_storage`` only when it is "codes": one made before the
     field existed (no key) restores into a float32-held state, and a code-held one is refused
     by a float32-held run naming the field."""
-    from qsdp_jax._src.checkpoint_record import CheckpointMismatch, check_match, comparable, describe
+    from qsdp_jax._src.checkpoint.record import CheckpointMismatch, check_match, comparable, describe
 
     config = q.QSDPConfig.qsdp(8, 8, **SMALL)
     held, _, mesh = _train(config, steps=0)

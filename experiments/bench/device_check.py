@@ -32,7 +32,7 @@ def check_kernels(out_dir: Path, bits_list=tuple(range(1, 9))) -> dict:
 
     from qsdp_jax import collectives as qc
     from qsdp_jax import kernels as qk
-    from qsdp_jax._src import quantizers as qz
+    from qsdp_jax._src.quant import quantizers as qz
     from qsdp_jax.kernels import _pallas as kp
 
     target = _target(jax.default_backend())

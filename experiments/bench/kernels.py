@@ -66,7 +66,7 @@ def passes(n: int, bits: int, bucket: int, mode: str):
 
     from qsdp_jax import collectives as qc
     from qsdp_jax import kernels as qk
-    from qsdp_jax._src import quantizers as qz
+    from qsdp_jax._src.quant import quantizers as qz
 
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
     key = qz.derive_key(0, 1)
@@ -158,7 +158,7 @@ def stage_passes(n: int, bucket: int):
     import jax.numpy as jnp
     from jax import lax
 
-    from qsdp_jax._src import quantizers as qz
+    from qsdp_jax._src.quant import quantizers as qz
 
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
     key = qz.derive_key(0, 1)

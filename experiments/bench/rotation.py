@@ -3,8 +3,8 @@
 Printed as tables and written as JSON with ``--out``:
 
 * **transform**: ``H x`` per block over a buffer of ``--elements`` float32 values, as the
-  butterfly (:func:`qsdp_jax._src.rotation.fwht_butterfly`, log2(block) stages of reshapes), as
-  the library's :func:`qsdp_jax._src.rotation.fwht` (a dense ``(n/block, block) @ H`` matmul up to
+  butterfly (:func:`qsdp_jax._src.quant.rotation.fwht_butterfly`, log2(block) stages of reshapes), as
+  the library's :func:`qsdp_jax._src.quant.rotation.fwht` (a dense ``(n/block, block) @ H`` matmul up to
   block 256, two smaller ones above) and as one dense matmul, for blocks 64..1024, with the
   compile time of each: which one to use on CPU.
 * **reduce-scatter**: the quantized reduce-scatter of ``--elements`` per device on 8 simulated
@@ -42,7 +42,7 @@ def transform_times(elements: int, blocks, repeat: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from qsdp_jax._src import rotation as qr
+    from qsdp_jax._src.quant import rotation as qr
 
     x = jnp.asarray(np.random.default_rng(0).normal(size=(elements,)).astype(np.float32))
     out: dict[int, dict[str, float]] = {}

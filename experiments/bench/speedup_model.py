@@ -46,6 +46,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from experiments.bench.aot import model_flops, node_model
 from experiments.shelf import step_model
 from experiments.shelf.targets import TARGETS
 
@@ -87,8 +88,6 @@ def predict(
 ) -> list[dict]:
     """One prediction per (row, bandwidth, node count): ``aot.node_model`` on ``nodes x chips per
     node`` chips, with the speedups over each baseline row of the same model."""
-    from experiments.bench.aot import model_flops, node_model
-
     if tokens_per_chip is not None and global_batch_tokens is not None:
         raise ValueError("give tokens_per_chip or global_batch_tokens, not both")
     for name, x in (("tokens_per_chip", tokens_per_chip), ("global_batch_tokens", global_batch_tokens)):

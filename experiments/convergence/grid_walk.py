@@ -32,7 +32,7 @@ def lattice_project(x, bits: int, bucket: int, key):
     that did not move is never re-rounded (the price: a step up to 2x the min/max grid's)."""
     import jax.numpy as jnp
 
-    from qsdp_jax._src import quantizers as qz
+    from qsdp_jax._src.quant import quantizers as qz
 
     top = 2**bits - 1
     xb = x.reshape(-1, bucket)
@@ -52,7 +52,7 @@ def golden_project(x, bits: int, bucket: int, key, step):
     rather than add up as a random walk; each step alone is still unbiased."""
     import jax.numpy as jnp
 
-    from qsdp_jax._src import quantizers as qz
+    from qsdp_jax._src.quant import quantizers as qz
 
     grid = qz.quantize(x, bits, bucket, "nearest")  # the same fresh grid as stochastic rounding's
     xb = qz.to_buckets(x, bucket)
@@ -80,7 +80,7 @@ def walk(
     import jax
     import numpy as np
 
-    from qsdp_jax._src import quantizers as qz
+    from qsdp_jax._src.quant import quantizers as qz
 
     rng = np.random.default_rng(0)
     exact = (rng.normal(size=(rows, bucket)) * 0.02).astype(np.float32)

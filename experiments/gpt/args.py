@@ -187,7 +187,7 @@ def _add_comm_args(p: argparse.ArgumentParser) -> None:
         metavar="'PAT=W,G;...'",
         help="per-leaf bits by parameter path, first match wins: e.g. "
         "'embed*=8,8' keeps the embeddings at 8-bit weights and gradients (bits 1..8 "
-        "or none; patterns are fnmatch on 'group/key/...' paths, see qsdp_jax._src.policy)",
+        "or none; patterns are fnmatch on 'group/key/...' paths, see qsdp_jax._src.layout.policy)",
     )
     base = qz.add_mutually_exclusive_group()
     base.add_argument(

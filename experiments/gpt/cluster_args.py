@@ -8,7 +8,7 @@
     --coordinator HOST:PORT --num-processes N --process-id I   (or QSDP_* variables; SLURM and
                                  TPU pods are detected by JAX itself)
     --init-timeout S --peer-timeout S   bounds on the processes meeting at start, and on noticing
-                                 a lost process during the run (qsdp_jax._src.peers)
+                                 a lost process during the run (qsdp_jax._src.distributed.peers)
 
 Errors are ``ValueError`` with a message naming the flag; the CLI turns them into usage errors.
 This module imports no jax at the top (the device flags must be set before jax starts).

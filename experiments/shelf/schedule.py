@@ -5,8 +5,8 @@ instructions in the order they run. An asynchronous collective is a ``*-start`` 
 ``*-done`` (``all-gather-start``, ``all-reduce-start``, ``collective-permute-start``, or an
 ``async-start`` wrapping a ``reduce-scatter`` / ``all-to-all``; with libtpu's async collective
 options, XLA:TPU's chain of fusions that run one collective in steps,
-:mod:`qsdp_jax._src.hlo_async_fusion`; between TPU slices, a megascale ``send`` and its
-``send-done``, :mod:`qsdp_jax._src.hlo_megascale`); what runs between them is what can hide
+:mod:`qsdp_jax._src.hlo.async_fusion`; between TPU slices, a megascale ``send`` and its
+``send-done``, :mod:`qsdp_jax._src.hlo.megascale`); what runs between them is what can hide
 its transfer. A synchronous collective (one instruction: what XLA:TPU and XLA:CPU
 print for most) hides behind nothing. For every collective this reads the kind, element type,
 bytes, the computation it runs in (a ``while`` body is a layer loop), whether it is in the
@@ -22,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from qsdp_jax._src import hlo_async_fusion, hlo_megascale
-from qsdp_jax._src.hlo_reader import HloModule, _attr_value, _Instr, parse_module
+from qsdp_jax._src.hlo import async_fusion as hlo_async_fusion
+from qsdp_jax._src.hlo import megascale as hlo_megascale
+from qsdp_jax._src.hlo.reader import HloModule, _attr_value, _Instr, parse_module
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 COMPUTE = ("fusion", "dot", "convolution", "custom-call", "while", "call", "conditional", "scatter", "gather")

@@ -2,7 +2,7 @@
 
 See :mod:`qsdp_jax.kernels.dispatch` for when a kernel runs, :mod:`.quantize` and
 :mod:`.dequantize` for the kernels (each bit-identical to its jnp reference in
-:mod:`qsdp_jax._src.quantizers`).
+:mod:`qsdp_jax._src.quant.quantizers`).
 """
 
 from qsdp_jax.kernels.compile_errors import KernelCompileError

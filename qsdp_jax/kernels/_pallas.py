@@ -6,7 +6,7 @@ Data layout in every kernel: a bucketed float32 buffer ``(rows, bucket)`` is vie
 consecutive elements per middle index. Column ``k`` (``ref[:, :, k]``, shape ``(rows, G)``)
 holds element ``k`` of every group, so the 8 -> ``bits`` bytes of a group are elementwise
 combinations of the 8 columns and land in column ``j`` of a ``(rows, G, bits)`` uint8 output,
-which is exactly :func:`qsdp_jax._src.quantizers.pack_bits`'s byte layout. Kernels never reshape
+which is exactly :func:`qsdp_jax._src.quant.quantizers.pack_bits`'s byte layout. Kernels never reshape
 in-kernel values, do all bit work in uint32 and reduce only over the last axis.
 """
 
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.quant import quantizers as qz
 
 TARGETS = ("interpret", "triton", "mosaic_tpu", "tpu_interpret")
 # The targets that use the TPU's lane-dense layout (``_tpu``): Mosaic itself, and the same

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.quant import quantizers as qz
 from qsdp_jax.kernels import _pallas as kp
 
 LANES = 128

@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.quant import quantizers as qz
 from qsdp_jax.kernels import _pallas as kp
 from qsdp_jax.kernels import _tpu
 

@@ -6,7 +6,7 @@
 * :func:`project`: a fresh grid and the values on it (the optimizer's projection).
 * :func:`snap`: values moved exactly onto a given grid (the optimizer's snap).
 
-Each equals its jnp reference in :mod:`qsdp_jax._src.quantizers` bit for bit. Inputs are ``(..., n)``
+Each equals its jnp reference in :mod:`qsdp_jax._src.quant.quantizers` bit for bit. Inputs are ``(..., n)``
 with ``n`` a multiple of ``bucket`` (pad with ``qz.pad_last`` as the reference requires).
 ``target`` is one of ``_pallas.TARGETS``.
 """
@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qsdp_jax._src import quantizers as qz
+from qsdp_jax._src.quant import quantizers as qz
 from qsdp_jax.kernels import _pallas as kp
 from qsdp_jax.kernels import _tpu
 

@@ -1,0 +1,1 @@
+"""qsdp_jax internals: QSDPConfig's field checks and short names."""

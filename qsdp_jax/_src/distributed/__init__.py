@@ -1,0 +1,1 @@
+"""qsdp_jax internals: distributed.py's agreement, peer monitor, environment, output, coordination service."""

@@ -1,0 +1,1 @@
+"""qsdp_jax internals: how leaves become groups, buffers and blocks; the state sharded like its params."""

@@ -1,0 +1,1 @@
+"""qsdp_jax internals: the Flax NNX front door's internals."""

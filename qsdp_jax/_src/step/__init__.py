@@ -1,0 +1,1 @@
+"""qsdp_jax internals: the train step's shard_map body, its layer scan, ParamAccess inside it, the guards."""
