@@ -41,7 +41,7 @@ from qsdp_jax._src.quant.payload_codec import (  # noqa: F401  (re-exported for 
 )
 from qsdp_jax._src.collective.gather_pair import make_coded_gather, make_gather, make_gather_pieces  # noqa: F401  (re-exported)
 from qsdp_jax._src.layout.packing import gather_each_piece
-from qsdp_jax._src.collective.tpu_wire import all_gather_rows, all_to_all_words, reduce_scatter_f32
+from qsdp_jax._src.collective.tpu_wire import all_gather_rows, all_to_all_words
 from qsdp_jax.kernels._tpu import sum_fits
 from qsdp_jax._src.quant.payload import (  # noqa: F401  (the wire format; re-exported for callers of collectives)
     cpu_boundary,
@@ -132,6 +132,7 @@ def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -
       axis_name: the mesh axis to gather over.
       dtype: the wire dtype, ``"float32"`` (the default) or ``"bfloat16"``
         (``QSDPConfig.fp_comm_dtype``; any other value is taken as bfloat16).
+      by_all_to_all: float32 as an ``all_to_all`` and a sum (above).
 
     Returns:
       The float32 concatenation of every device's shard along the first axis, in device order.
@@ -225,11 +226,18 @@ def quantized_reduce_scatter(
     return qr.unrotate(summed, mine, rotation)
 
 
-def reduce_scatter_fp(full: jax.Array, *, axis_name: str, dtype: str = "float32") -> jax.Array:
+def reduce_scatter_fp(
+    full: jax.Array, *, axis_name: str, dtype: str = "float32", by_all_to_all: bool = False
+) -> jax.Array:
     """Plain reduce-scatter (sum) in float32 or bfloat16; float32 result.
 
-    float32 is XLA's reduce-scatter (on TPU an ``all_to_all`` and a sum, :func:`reduce_scatter_f32`).
-    bfloat16 is an ``all_to_all`` of the bf16 chunks (bitcast
+    float32 is XLA's reduce-scatter, or with ``by_all_to_all`` an ``all_to_all`` of the devices'
+    chunks summed on the receiver (pairwise): XLA:TPU compiles a ``psum_scatter`` as an all-reduce
+    of the whole buffer and a slice, which its async collective options did not run under the
+    backward loop's matmuls beside the prefetched gather, where they do run an all-to-all
+    (GPT-125M fp32 on v5p-8); across TPU slices XLA splits the all-reduce by level and the
+    all-to-all it does not, so only a single slice's prefetching step asks for it
+    (``overlap.Prefetch``). bfloat16 is an ``all_to_all`` of the bf16 chunks (bitcast
     to uint16, see :func:`all_gather_fp`; on TPU as uint32 words, :func:`all_to_all_words`)
     summed in float32: the same bytes as a bf16 reduce-scatter, with a float32 sum.
 
@@ -238,12 +246,16 @@ def reduce_scatter_fp(full: jax.Array, *, axis_name: str, dtype: str = "float32"
       axis_name: the mesh axis to reduce over.
       dtype: the wire dtype, ``"float32"`` (the default) or ``"bfloat16"``
         (``QSDPConfig.fp_comm_dtype``; any other value is taken as bfloat16).
+      by_all_to_all: float32 as an ``all_to_all`` and a sum (above).
 
     Returns:
       This device's chunk (``len(full) / N`` elements) of the sum over devices, float32.
     """
+    if dtype == "float32" and by_all_to_all:
+        num = lax.axis_size(axis_name)
+        return sum_rows(lax.all_to_all(full.astype(jnp.float32).reshape(num, -1), axis_name, 0, 0, tiled=False))
     if dtype == "float32":
-        return reduce_scatter_f32(full.astype(jnp.float32), axis_name)
+        return lax.psum_scatter(full.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
     num = lax.axis_size(axis_name)
     wire = lax.bitcast_convert_type(full.astype(jnp.bfloat16), jnp.uint16).reshape(num, -1)
     got = all_to_all_words(wire, axis_name)
@@ -273,6 +285,8 @@ class GatherSpec:
       kernels: ``QSDPConfig.kernels`` (default ``"auto"``).
       grad_rotation: ``QSDPConfig.grad_rotation`` (default None).
       stats_dtype: ``QSDPConfig.stats_dtype`` (default ``"float32"``).
+      fp_by_all_to_all: a float32 reduce-scatter goes as an ``all_to_all`` and a sum
+        (:func:`reduce_scatter_fp`; set by a prefetching TPU step, ``overlap.Prefetch``).
     """
 
     axis_name: str
@@ -285,6 +299,7 @@ class GatherSpec:
     kernels: str = "auto"
     grad_rotation: int | None = None
     stats_dtype: str = "float32"
+    fp_by_all_to_all: bool = False
 
     @classmethod
     def from_config(cls, config) -> "GatherSpec":
@@ -388,7 +403,9 @@ class GatherSpec:
           ValueError: as :func:`quantized_reduce_scatter`.
         """
         if self.grad_bits is None:
-            return reduce_scatter_fp(full, axis_name=self.axis_name, dtype=self.fp_dtype)
+            return reduce_scatter_fp(
+                full, axis_name=self.axis_name, dtype=self.fp_dtype, by_all_to_all=self.fp_by_all_to_all
+            )
         return quantized_reduce_scatter(
             full,
             bits=self.grad_bits,

@@ -272,9 +272,10 @@ def make_train_step(
     return CheckedStep(jax.jit(step_fn, donate_argnums=(0,) if donate else (), compiler_options=options), mesh)
 
 
-def train_step_fn(loss_fn, optimizer, mesh: Mesh, config: QSDPConfig, has_aux, aux_out_spec, prefetch: bool):
+def train_step_fn(loss_fn, optimizer, mesh: Mesh, config: QSDPConfig, has_aux, aux_out_spec, prefetch):
     """:func:`make_train_step`'s step before ``jax.jit`` (the NNX front door calls it inside its
-    own jit); ``prefetch``: the layer loops gather the next layer while this one computes."""
+    own jit); ``prefetch``: an ``overlap.Prefetch`` (the layer loops gather the next layer while
+    this one computes) or None."""
     check_config(config)
     _, n_dev = mesh_sizes(mesh, config)
     axes, batch_axes = config.shard_axes, config.batch_axes

@@ -110,19 +110,31 @@ def test_each_loop_has_one_gather_and_the_backward_one_scatter():
     assert sorted(bwd) == ["all-gather", "reduce-scatter"], bwd
 
 
-@pytest.mark.parametrize("name", ["fp32", "qsdp-W8G8"])
-def test_the_train_step_is_the_same_with_the_layers_prefetched(monkeypatch, name):
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("fp32", {}),
+        ("qsdp-W8G8", {}),
+        ("qsdp-W8G8", {"weight_storage": "codes"}),
+        ("qsdp-W4G4", {"node_axis": "node", "axis_name": "local"}),
+    ],
+    ids=["fp32", "W8G8", "W8G8-codes", "W4G4-two-level"],
+)
+def test_the_train_step_is_the_same_with_the_layers_prefetched(monkeypatch, name, extra):
     """The whole step with the prefetching loops (forced on CPU) gives the losses and weights
-    of the step without, over 3 steps (the same gathers, keys and reduce-scatters)."""
+    of the step without, over 3 steps (the same gathers, keys and reduce-scatters): float32,
+    quantized, code-held weights and the two-level collectives."""
+    import dataclasses
+
     import optax
 
     from qsdp_jax._src.collective import overlap
 
-    mesh = q.make_mesh()
-    config = q.QSDPConfig.from_name(name)
-    assert overlap.prefetch_layers(mesh, True) is False  # CPU: off unless forced
+    mesh = q.make_mesh({"node": 2, "local": 4}) if "node_axis" in extra else q.make_mesh()
+    config = dataclasses.replace(q.QSDPConfig.from_name(name), **extra)
+    assert overlap.prefetch_layers(mesh, True) is None  # CPU: off unless forced
 
-    def run(prefetch: bool):
+    def run(prefetch):
         monkeypatch.setattr(q.train, "prefetch_layers", lambda mesh, overlap: prefetch)
         opt = optim.qsdp(optax.adam(1e-2), config)
         state = q.init_train_state(toymodel.init(0), opt, mesh, config, stacked=toymodel.STACKED)
@@ -133,6 +145,8 @@ def test_the_train_step_is_the_same_with_the_layers_prefetched(monkeypatch, name
             losses.append(float(metrics["loss"]))
         return losses, state.params
 
-    (l1, p1), (l2, p2) = run(True), run(False)
-    np.testing.assert_allclose(l1, l2, rtol=1e-6)
-    chex.assert_trees_all_close(p1, p2, rtol=1e-5, atol=1e-6)
+    (l0, p0) = run(None)
+    for a2a in (False, True):  # a float32 reduce-scatter as psum_scatter, or all_to_all + sum
+        l1, p1 = run(overlap.Prefetch(scatter_by_all_to_all=a2a))
+        np.testing.assert_allclose(l1, l0, rtol=1e-6)
+        chex.assert_trees_all_close(p1, p0, rtol=1e-5, atol=1e-6)

@@ -117,8 +117,11 @@ def test_without_overlap_a_tpu_step_neither_prefetches_nor_hides():
     from qsdp_jax._src.collective import overlap
 
     mesh = q.make_mesh(devices=tpu_devices("v5e:2x2"))
-    assert overlap.prefetch_layers(mesh, True) and overlap.compiler_options(mesh, True) == overlap.TPU_OPTIONS
-    assert not overlap.prefetch_layers(mesh, False) and overlap.compiler_options(mesh, False) is None
+    assert overlap.prefetch_layers(mesh, True) == overlap.Prefetch(scatter_by_all_to_all=True)
+    assert overlap.compiler_options(mesh, True) == overlap.TPU_OPTIONS
+    assert overlap.prefetch_layers(mesh, False) is None and overlap.compiler_options(mesh, False) is None
+    two = q.make_mesh(devices=tpu_devices("v5e:2x2", slices=2))  # across slices: psum_scatter
+    assert overlap.prefetch_layers(two, True) == overlap.Prefetch(scatter_by_all_to_all=False)
     cfg = q.QSDPConfig.qsdp(8, 8, kernels="reference", bucket_size=128, min_shard_size=128)
     opt = optim.qsdp(optax.adam(1e-2), cfg)
     state = q.abstract_train_state(toymodel.init(0), opt, mesh, cfg, stacked=toymodel.STACKED)

@@ -23,8 +23,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qsdp_jax._src.quant.payload import sum_rows
-
 TPU_GATHER_MULTIPLE = 128  # elements per device part of an all-gather XLA:TPU runs as one
 
 
@@ -58,22 +56,6 @@ def all_to_all_words(x: jax.Array, axis_name) -> jax.Array:
     if jnp.dtype(x.dtype).itemsize >= 4 or x.dtype == jnp.bool_:
         return plain(x)
     return lax.platform_dependent(x, tpu=lambda v: _all_to_all_as_words(v, axis_name), default=plain)
-
-
-def reduce_scatter_f32(x: jax.Array, axis_name) -> jax.Array:
-    """``lax.psum_scatter(x, axis_name, tiled=True)`` of a 1-D float32 buffer; on TPU an
-    ``all_to_all`` of the devices' chunks summed on the receiver (pairwise, ``sum_rows``): XLA:TPU
-    compiles a ``psum_scatter`` as an all-reduce of the whole buffer and a slice, which its async
-    collective options did not run under the backward loop's matmuls beside a gather, where they
-    do run an all-to-all (GPT-125M fp32 on v5p with the layers prefetched). The same sum up to
-    its order."""
-    plain = lambda v: lax.psum_scatter(v, axis_name, scatter_dimension=0, tiled=True)  # noqa: E731
-
-    def tpu(v):
-        num = lax.axis_size(axis_name)
-        return sum_rows(lax.all_to_all(v.reshape(num, -1), axis_name, 0, 0, tiled=False))
-
-    return lax.platform_dependent(x, tpu=tpu, default=plain)
 
 
 def _all_to_all_as_words(x: jax.Array, axis_name) -> jax.Array:

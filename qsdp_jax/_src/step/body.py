@@ -66,12 +66,12 @@ def sharded_body(local: Callable, mesh: Mesh, config: QSDPConfig, layout: ParamL
     return lambda step, stored, batch: body(step, stored, grid, batch)
 
 
-def _reader(layout: ParamLayout, config: QSDPConfig, step, grid, codes, prefetch_layers: bool) -> Callable:
+def _reader(layout: ParamLayout, config: QSDPConfig, step, grid, codes, prefetch_layers) -> Callable:
     """``params -> ParamAccess`` of this device's blocks (anchors, for code-held leaves)."""
     return lambda params: ShardedParams(layout, params, grid or None, step, config, codes, prefetch_layers)
 
 
-def local_loss(loss_fn: Callable, layout: ParamLayout, config: QSDPConfig, prefetch_layers: bool = False):
+def local_loss(loss_fn: Callable, layout: ParamLayout, config: QSDPConfig, prefetch_layers=None):
     """The per-device body of the eval step: the loss averaged over the devices (a
     :class:`~qsdp_jax._src.step.weighted_mean.WeightedMean`: its global weighted mean)."""
 
@@ -84,7 +84,7 @@ def local_loss(loss_fn: Callable, layout: ParamLayout, config: QSDPConfig, prefe
 
 
 def local_grads(
-    loss_fn: Callable, layout: ParamLayout, config: QSDPConfig, has_aux: bool, n_dev: int, prefetch_layers: bool = False
+    loss_fn: Callable, layout: ParamLayout, config: QSDPConfig, has_aux: bool, n_dev: int, prefetch_layers=None
 ):
     """The per-device body of the train step: ``(grads of this device's blocks, mean loss,
     aux)``; a sharded leaf's gradient averaged over the devices (the reduce-scatter sums),

@@ -21,6 +21,7 @@ with the sender's index: the backward re-gather and every resumed run see the sa
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ from qsdp_jax._src.quant.payload import dequantize_parts
 from qsdp_jax._src.collective.regather import regathered, tie, tied
 from qsdp_jax._src.collective.sharded_take import Split, take_rows
 from qsdp_jax.access import check_take
-from qsdp_jax.collectives import make_coded_gather, make_gather, make_gather_pieces, payload_from_packed
+from qsdp_jax.collectives import GatherSpec, make_coded_gather, make_gather, make_gather_pieces, payload_from_packed
 from qsdp_jax.config import QSDPConfig
 from qsdp_jax._src.collective.hierarchy import gather_spec
 from qsdp_jax._src.layout.policy import Buffer
@@ -57,13 +58,13 @@ class ShardedParams:
       codes: code-held weights (``qsdp_jax._src.quant.weight_codes``): per leaf in layout order,
         this device's codes block, or None for a leaf ``params`` holds; ``params`` then holds
         zero anchors in the code-held leaves' places. None (the default): no code-held leaf.
-      prefetch_layers: the layer loops (``scan``, ``chain``) gather the next layer while this one
-        computes (:mod:`qsdp_jax._src.step.prefetch_scan`), for compilers that do not pipeline
-        the gathers themselves (``overlap.prefetch_layers``).
+      prefetch_layers: an ``overlap.Prefetch``: the layer loops (``scan``, ``chain``) gather the
+        next layer while this one computes (:mod:`qsdp_jax._src.step.prefetch_scan`), for
+        compilers that do not pipeline the gathers themselves; None (the default): they do not.
     """
 
     def __init__(
-        self, layout: ParamLayout, params: dict, grid, step, config: QSDPConfig, codes=None, prefetch_layers=False
+        self, layout: ParamLayout, params: dict, grid, step, config: QSDPConfig, codes=None, prefetch_layers=None
     ):
         self._layout = layout
         self._params = params
@@ -87,7 +88,10 @@ class ShardedParams:
 
     def _spec(self, buffer: Buffer):
         config = self._config if buffer.bits is None else self._config.buffer_config(*buffer.bits)
-        return gather_spec(config)
+        spec = gather_spec(config)
+        if self._prefetch_layers and self._prefetch_layers.scatter_by_all_to_all and isinstance(spec, GatherSpec):
+            return dataclasses.replace(spec, fp_by_all_to_all=True)
+        return spec
 
     def _gather_buffer(self, buffer: Buffer, flat, grid, key) -> tuple:
         """One buffer's gather (its gradient's reduce-scatter in the backward), at its bits:
