@@ -115,7 +115,7 @@ class TrainStep:
         self._jitted = jax.jit(
             self._step,
             donate_argnums=(0,) if donate and not evaluate else (),
-            compiler_options=compiler_options(mesh, overlap),  # layer gathers hidden on GPUs
+            compiler_options=compiler_options(mesh, overlap),  # layer collectives hidden on GPUs and TPUs
         )
 
     def __call__(self, state: train.TrainState, batch: PyTree):
