@@ -132,7 +132,6 @@ def all_gather_fp(shard: jax.Array, *, axis_name: str, dtype: str = "float32") -
       axis_name: the mesh axis to gather over.
       dtype: the wire dtype, ``"float32"`` (the default) or ``"bfloat16"``
         (``QSDPConfig.fp_comm_dtype``; any other value is taken as bfloat16).
-      by_all_to_all: float32 as an ``all_to_all`` and a sum (above).
 
     Returns:
       The float32 concatenation of every device's shard along the first axis, in device order.
