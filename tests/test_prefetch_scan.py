@@ -56,11 +56,10 @@ def _loss(mesh, scan, apart, with_x):
             h, ys = prefetch_scan(_gather(scale), _body, h0, blocks, xs, k, apart=apart)
         else:
             gather = _gather(scale)
-            pick = (lambda d: d) if apart else (lambda d: d)
 
-            def layer(c, d, kk):
+            def layer(c, d, kk):  # remat_scan's layer: the gather inside it
                 bl, xl = (d, None) if apart else d
-                return _body(c, gather(pick(bl), kk), xl if with_x else None, kk)
+                return _body(c, gather(bl, kk), xl, kk)
 
             h, ys = remat_scan(layer, h0, blocks if apart else (blocks, xs), k, apart=apart)
         return lax.psum(jnp.sum(h) + 0.1 * jnp.sum(ys * jnp.arange(1, L + 1)[:, None]), "x")
