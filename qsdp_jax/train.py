@@ -266,7 +266,6 @@ def make_train_step(
         not ``qsdp``-wrapped in ``"qsdp"`` mode).
       RuntimeError: calling the step with a state that was donated to an earlier call.
     """
-    check_config(config)
     step_fn = train_step_fn(loss_fn, optimizer, mesh, config, has_aux, aux_out_spec, prefetch_layers(mesh, overlap))
     options = compiler_options(mesh, overlap)
     return CheckedStep(jax.jit(step_fn, donate_argnums=(0,) if donate else (), compiler_options=options), mesh)

@@ -286,7 +286,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
-    rows = target_rows(json.loads(args.aot.read_text()), args.target)
+    aot_doc = json.loads(args.aot.read_text())
+    rows = target_rows(aot_doc, args.target)
     preds = predict(
         rows,
         bandwidths_gbit=args.bandwidths_gbit,
@@ -310,7 +311,7 @@ def main(argv=None) -> int:
         }
         | {
             "intra_bytes_per_s": TARGETS[args.target].link_bytes_per_s,
-            "aot_commands": json.loads(args.aot.read_text()).get("commands"),
+            "aot_commands": aot_doc.get("commands"),
         },
         "predictions": preds,
         "network_check": check,

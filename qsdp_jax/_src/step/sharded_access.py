@@ -100,8 +100,8 @@ class ShardedParams:
         if self._prefetch_layers and spec.weight_mode == "full":
             # one float gather a buffer, not one a leaf: XLA:TPU ran only some of a layer's
             # per-leaf gathers asynchronously (GPT-125M fp32 on v5p: 1 of 5 in the backward loop)
-            full = make_gather(spec)(flat, grid, key).reshape(-1, buffer.chunk)
-            return packing.split_flat(full.astype(jnp.float32), packing.spans(buffer))
+            full = make_gather(spec)(flat, grid, key).reshape(-1, buffer.chunk)  # float32
+            return packing.split_flat(full, packing.spans(buffer))
         return make_gather_pieces(spec, packing.spans(buffer), buffer.chunk)(flat, grid, key)
 
     def _gather_coded(self, buffer: Buffer, anchor, payload, key) -> tuple:
